@@ -1,0 +1,130 @@
+"""The prefix-cache interface (SGLang's ``BasePrefixCache``)."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from array import array
+from collections.abc import Iterator, Sequence
+from typing import Any, NamedTuple
+
+from kvserve.kv import KVOwner
+from kvserve.mem.pools import MemoryPools
+
+
+class MatchResult(NamedTuple):
+    """Longest cached prefix of a key, in whole pages."""
+
+    page_ids: array  # array('i'): one page id per matched page
+    prefix_len: int  # tokens (a multiple of the page size)
+    last_node: Any  # pass to inc_lock_ref to protect the prefix
+
+
+class InsertResult(NamedTuple):
+    prefix_len: int  # tokens of the key that were cached before this insert
+    last_node: Any  # node ending exactly at the inserted key
+
+
+class PrefixLock(NamedTuple):
+    """Receipt of ``inc_lock_ref``: what to hand back to ``dec_lock_ref``."""
+
+    node: Any
+    prefix_len: int  # tokens protected by the lock
+
+
+class LockRefError(RuntimeError):
+    """``dec_lock_ref`` on a node that is not locked."""
+
+
+class BasePrefixCache(ABC):
+    """Shares KV pages between requests with equal token prefixes.
+
+    ``match_prefix`` never locks and never allocates; admission locks with
+    ``inc_lock_ref``. Sizes are in tokens. The cache owns the pages it holds
+    and frees them through ``pools.allocator`` when it evicts.
+    """
+
+    pools: MemoryPools
+
+    @property
+    def page_size(self) -> int:
+        return self.pools.allocator.page_size
+
+    @abstractmethod
+    def match_prefix(self, token_ids: Sequence[int], extra_key: str | None = None) -> MatchResult:
+        """Longest cached page-aligned prefix of ``token_ids`` (no lock, no allocation)."""
+
+    @abstractmethod
+    def insert(
+        self, token_ids: Sequence[int], page_ids: Sequence[int], extra_key: str | None = None
+    ) -> InsertResult:
+        """Cache the full pages of ``token_ids`` held in ``page_ids`` (one id per page).
+
+        Pages of the key that were already cached stay as they were; the caller
+        frees its duplicates of them (``InsertResult.prefix_len`` says how many).
+        """
+
+    @abstractmethod
+    def cache_unfinished_req(self, req: KVOwner) -> None:
+        """Insert the committed full pages of a running request, point its row at
+        the canonical cached pages, free its duplicates and move its lock."""
+
+    @abstractmethod
+    def cache_finished_req(self, req: KVOwner) -> None:
+        """Release the pages and lock of a finishing request, inserting what it computed."""
+
+    @abstractmethod
+    def inc_lock_ref(self, node: Any) -> PrefixLock | None:
+        """Protect the path ending at ``node`` from eviction; None for an empty prefix."""
+
+    @abstractmethod
+    def dec_lock_ref(self, lock: PrefixLock) -> None:
+        """Undo one ``inc_lock_ref``. Raises LockRefError when the node is not locked."""
+
+    @abstractmethod
+    def lock_page_ids(self, lock: PrefixLock) -> list[int]:
+        """Page ids of the prefix a lock protects, in order."""
+
+    @abstractmethod
+    def evict(self, num_tokens: int) -> int:
+        """Free at least ``num_tokens`` of unlocked cached KV if possible; returns tokens freed."""
+
+    @abstractmethod
+    def evictable_size(self) -> int:
+        """Tokens cached and not locked."""
+
+    @abstractmethod
+    def protected_size(self) -> int:
+        """Tokens cached and locked by some request."""
+
+    @abstractmethod
+    def reset(self) -> None:
+        """Drop everything cached (returning its pages); only valid with no locks held."""
+
+    def supports_mamba(self) -> bool:
+        return False
+
+    # -- for the invariant checker -------------------------------------------------
+    @abstractmethod
+    def cached_page_ids(self) -> Iterator[int]:
+        """Every page id the cache owns."""
+
+    @abstractmethod
+    def lock_path_counts(self, locks: Sequence[PrefixLock]) -> list[str]:
+        """Compare every node's lock_ref with the receipts given; returns problems."""
+
+    @abstractmethod
+    def verify(self) -> list[str]:
+        """Structural self-check (sizes by recount, lock monotonicity, ...); returns problems."""
+
+
+def duplicate_and_tail_pages(page_ids: Sequence[int], protected_pages: int,
+                             cached_before_pages: int, inserted_pages: int) -> list[int]:
+    """Pages a finishing request frees after inserting ``inserted_pages`` pages::
+
+        [0, protected)        cache-owned, locked: not ours
+        [protected, before)   duplicates of pages the cache already had: free
+        [before, inserted)    now owned by the cache: keep
+        [inserted, end)       unaligned tail and over-allocation: free
+    """
+    before = max(cached_before_pages, protected_pages)
+    return [*page_ids[protected_pages:before], *page_ids[max(inserted_pages, before):]]

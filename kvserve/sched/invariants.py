@@ -1,0 +1,273 @@
+"""The invariant checker: proves that every page, row and slot has exactly one owner.
+
+Per pool (DESIGN section 3)::
+
+    KV tokens: available + evictable + protected + session_held + pending_release
+               + uncached + held == total
+    rows:      free + session + live_request_rows == size
+    mamba:     free + session + live_request_slots == size
+
+``uncached`` sums, over every live request, the pages it owns itself
+(``[protected_len, allocated_len)``); ``held`` is what named external holders
+keep (a test exhausting the pool). A sum below the total is a leak, above it a
+double free or double count: both are violations. The full ownership walk (page
+ledger, row contents, lock receipts) runs when ``full=True``; strict mode runs
+it and raises ``InvariantViolation`` with the per-pool report.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from kvserve.cache.base import BasePrefixCache
+from kvserve.kv import ReqKV
+from kvserve.mem.ledger import PageLedger
+from kvserve.mem.pages import num_pages, slot_ids
+from kvserve.sched.state import LEGAL_HOLDINGS, ReqState
+
+
+class TrackedReq(Protocol):
+    """A live request as the checker sees it."""
+
+    rid: str
+    kv: ReqKV
+    state: ReqState
+
+
+@dataclass
+class CheckReport:
+    """Numbers per pool and every violation found, in words."""
+
+    pools: dict[str, dict[str, int]] = field(default_factory=dict)
+    violations: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return not self.violations
+
+    def __str__(self) -> str:
+        lines = [
+            f"{name}: " + " ".join(f"{k}={v}" for k, v in numbers.items())
+            for name, numbers in self.pools.items()
+        ]
+        lines += [f"VIOLATION: {v}" for v in self.violations[:50]]
+        if len(self.violations) > 50:
+            lines.append(f"... and {len(self.violations) - 50} more")
+        return "\n".join(lines)
+
+
+class InvariantViolation(AssertionError):
+    def __init__(self, report: CheckReport) -> None:
+        super().__init__(f"invariant check failed:\n{report}")
+        self.report = report
+
+
+class InvariantChecker:
+    """Checks pools, cache and live requests together.
+
+    Args:
+        tree_cache: the prefix cache; its ``pools`` are the pools checked.
+        strict: run the full walk on every ``check`` and raise on a violation.
+    """
+
+    def __init__(self, tree_cache: BasePrefixCache, strict: bool = True) -> None:
+        self.tree_cache = tree_cache
+        self.pools = tree_cache.pools
+        self.strict = strict
+        self.runs = 0
+        self.total_violations = 0
+        self.total_seconds = 0.0
+
+    def check(
+        self,
+        requests: Iterable[TrackedReq],
+        held_pages: Mapping[str, Sequence[int]] | None = None,
+        full: bool | None = None,
+    ) -> CheckReport:
+        """Check everything; ``held_pages`` names external holders of pages."""
+        start = time.perf_counter()
+        reqs = list(requests)
+        held = dict(held_pages or {})
+        full = self.strict if full is None else full
+        report = CheckReport()
+        self._check_requests(reqs, report)
+        self._check_kv_equation(reqs, held, report)
+        self._check_rows(reqs, report)
+        self._check_mamba(reqs, report)
+        report.violations += self.tree_cache.verify()
+        if full:
+            locks = [r.kv.lock for r in reqs if r.kv.lock is not None]
+            report.violations += self.tree_cache.lock_path_counts(locks)
+            self._walk_pages(reqs, held, report)
+            self._check_row_contents(reqs, report)
+        report.seconds = time.perf_counter() - start
+        self.runs += 1
+        self.total_violations += len(report.violations)
+        self.total_seconds += report.seconds
+        if self.strict and report.violations:
+            raise InvariantViolation(report)
+        return report
+
+    # -- per request ------------------------------------------------------------------
+    def _check_requests(self, reqs: list[TrackedReq], report: CheckReport) -> None:
+        page_size = self.pools.page_size
+        width = self.pools.req_to_token_pool.row_width
+        seen: set[str] = set()
+        for req in reqs:
+            kv, rid = req.kv, req.rid
+            if rid in seen:
+                report.violations.append(f"request {rid} is registered twice")
+            seen.add(rid)
+            holdings = (kv.holds_row, kv.holds_kv, kv.holds_lock, kv.holds_mamba)
+            for name, must, has in zip(("row", "kv", "lock", "mamba"), LEGAL_HOLDINGS[req.state],
+                                       holdings, strict=True):
+                if must is not None and must != has:
+                    report.violations.append(
+                        f"request {rid} in state {req.state.value} "
+                        f"{'lacks' if must else 'holds'} {name}"
+                    )
+            if not 0 <= kv.protected_len <= kv.committed_len <= kv.allocated_len <= width:
+                report.violations.append(
+                    f"request {rid}: ladder broken: protected={kv.protected_len} "
+                    f"committed={kv.committed_len} allocated={kv.allocated_len} width={width}"
+                )
+            if kv.protected_len % page_size:
+                report.violations.append(f"request {rid}: protected_len {kv.protected_len} "
+                                         f"not page aligned")
+            if len(kv.page_ids) != num_pages(kv.allocated_len, page_size):
+                report.violations.append(
+                    f"request {rid}: {len(kv.page_ids)} page ids for allocated_len "
+                    f"{kv.allocated_len}"
+                )
+            if kv.holds_kv and not kv.holds_row:
+                report.violations.append(f"request {rid} holds KV without a row")
+            lock_len = kv.lock.prefix_len if kv.lock is not None else 0
+            if kv.holds_row and lock_len != kv.protected_len:
+                report.violations.append(
+                    f"request {rid}: protected_len {kv.protected_len} != locked prefix {lock_len}"
+                )
+
+    # -- pools ------------------------------------------------------------------------
+    def _check_kv_equation(self, reqs: list[TrackedReq], held: dict[str, Sequence[int]],
+                           report: CheckReport) -> None:
+        alloc, cache = self.pools.allocator, self.tree_cache
+        page_size = alloc.page_size
+        uncached = sum(len(r.kv.owned_page_ids(page_size)) for r in reqs) * page_size
+        numbers = {
+            "available": alloc.available_size(),
+            "evictable": cache.evictable_size(),
+            "protected": cache.protected_size(),
+            "session_held": 0,
+            "pending_release": alloc.pending_release_size(),
+            "uncached": uncached,
+            "held": sum(len(p) for p in held.values()) * page_size,
+        }
+        total = sum(numbers.values())
+        numbers["total"] = alloc.size
+        report.pools["kv_tokens"] = numbers
+        _balance("kv tokens", total, alloc.size, report)
+
+    def _check_rows(self, reqs: list[TrackedReq], report: CheckReport) -> None:
+        pool = self.pools.req_to_token_pool
+        rows = [r.kv.row for r in reqs if r.kv.row is not None]
+        numbers = {"free": pool.available_size(), "session": 0, "live": len(rows), "size": pool.size}
+        report.pools["rows"] = numbers
+        _balance("rows", numbers["free"] + numbers["live"], pool.size, report)
+        if len(set(rows)) != len(rows):
+            report.violations.append("a row is held by two requests")
+        for req in reqs:
+            row = req.kv.row
+            if row is not None and (not 0 < row <= pool.size or pool.is_free(row)):
+                report.violations.append(f"request {req.rid} holds row {row}, which is free")
+
+    def _check_mamba(self, reqs: list[TrackedReq], report: CheckReport) -> None:
+        pool = self.pools.mamba_pool
+        slots = [s for r in reqs for s in r.kv.mamba_slots]
+        if pool is None:
+            if slots:
+                report.violations.append("requests hold Mamba slots but there is no Mamba pool")
+            return
+        numbers = {"free": pool.available_size(), "session": 0, "live": len(slots), "size": pool.size}
+        report.pools["mamba_slots"] = numbers
+        _balance("mamba slots", numbers["free"] + numbers["live"], pool.size, report)
+        if len(set(slots)) != len(slots):
+            report.violations.append("a Mamba slot is held twice")
+        for slot in slots:
+            if not 0 < slot <= pool.size or pool.is_free(slot):
+                report.violations.append(f"Mamba slot {slot} is held but free")
+
+    # -- full walk --------------------------------------------------------------------
+    def _walk_pages(self, reqs: list[TrackedReq], held: dict[str, Sequence[int]],
+                    report: CheckReport) -> None:
+        alloc = self.pools.allocator
+        page_size = alloc.page_size
+        ledger = PageLedger(alloc.num_pages)
+        ledger.claim([0], "reserved")
+        ledger.claim(alloc.free_page_ids(), "free")
+        for batch, pages in alloc.deferred_batches().items():
+            ledger.claim(pages, f"pending:{batch}")
+        ledger.claim(self.tree_cache.cached_page_ids(), "tree")
+        for req in reqs:
+            ledger.claim(req.kv.owned_page_ids(page_size), f"req:{req.rid}")
+        for name, pages in held.items():
+            ledger.claim(pages, f"held:{name}")
+        for page, first, second in ledger.conflicts[:20]:
+            report.violations.append(f"page {page} owned by both {first} and {second}")
+        if len(ledger.conflicts) > 20:
+            report.violations.append(f"... {len(ledger.conflicts) - 20} more page conflicts")
+        for page, owner in ledger.out_of_range[:20]:
+            report.violations.append(f"{owner} holds page id {page}, outside the pool")
+        leaked = ledger.unowned()
+        if leaked:
+            report.violations.append(f"{len(leaked)} pages have no owner (leaked): {leaked[:20]}")
+        expect = {"free": "free", "pending:": "pending release", "tree": "used", "req:": "used",
+                  "held:": "used"}
+        for page in range(1, alloc.num_pages + 1):
+            owner = ledger.owner(page)
+            if owner is None:
+                continue
+            want = next(code for prefix, code in expect.items() if owner.startswith(prefix))
+            found = alloc.page_state(page)
+            if found != want:
+                report.violations.append(
+                    f"page {page} owned by {owner} but the allocator marks it {found}"
+                )
+
+    def _check_row_contents(self, reqs: list[TrackedReq], report: CheckReport) -> None:
+        """Every live row entry below allocated_len points at the page the request owns
+        or has locked, at the right offset."""
+        pool, page_size = self.pools.req_to_token_pool, self.pools.page_size
+        for req in reqs:
+            kv = req.kv
+            if kv.row is None:
+                continue
+            if kv.lock is not None:
+                locked = self.tree_cache.lock_page_ids(kv.lock)
+                if kv.page_ids[: len(locked)] != locked:
+                    report.violations.append(
+                        f"request {req.rid}: prefix pages differ from the pages its lock protects"
+                    )
+            want = slot_ids(kv.page_ids, page_size, 0, kv.allocated_len)
+            have = pool.req_to_token[kv.row, : kv.allocated_len].cpu()
+            if not torch.equal(want, have):
+                bad = int((want != have).nonzero()[0, 0])
+                report.violations.append(
+                    f"request {req.rid}: row {kv.row} position {bad} holds slot "
+                    f"{int(have[bad])}, its pages say {int(want[bad])}"
+                )
+
+
+def _balance(name: str, counted: int, total: int, report: CheckReport) -> None:
+    if counted < total:
+        report.violations.append(f"{name}: {total - counted} missing from the sum (leak): "
+                                 f"{counted} counted of {total}")
+    elif counted > total:
+        report.violations.append(f"{name}: {counted - total} over the total (double free or "
+                                 f"double count): {counted} counted of {total}")
+
