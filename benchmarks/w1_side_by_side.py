@@ -41,7 +41,8 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sglang", help="SGLang peer venv (setup_sglang_peer.sh)")
     ap.add_argument("--vllm", help="vLLM peer venv (setup_vllm_peer.sh)")
-    ap.add_argument("--trace", default=str(SHARED / "data/traces/mooncake_conversation_trace.jsonl"))
+    ap.add_argument("--trace",
+                    default=str(SHARED / "data/traces/mooncake_conversation_trace.jsonl"))
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--limit", type=int, default=0)
     a = ap.parse_args()
@@ -64,8 +65,8 @@ def main() -> int:
                     cmd += ["--limit", str(a.limit)]
                 res = run(cmd)
                 results.setdefault((name, block, cap), []).append(res)
-                print(f"block={block} cap={cap} {name}: {' '.join(f'{k}={v}' for k, v in res.items())}",
-                      file=sys.stderr, flush=True)
+                fields = " ".join(f"{k}={v}" for k, v in res.items())
+                print(f"block={block} cap={cap} {name}: {fields}", file=sys.stderr, flush=True)
     print("| block | cap | engine | req/s (median) | runs | hit ratio | kvserve ratio |")
     print("|---:|---:|---|---:|---|---:|---:|")
     for block, cap in points:
@@ -75,7 +76,8 @@ def main() -> int:
             rps = [float(r["req_per_s"]) for r in rows]
             med = statistics.median(rps)
             ratio = "" if name == "kvserve" else f"{ours / med:.2f}x"
-            print(f"| {block} | {cap:,} | {name} | {med:,.0f} | {', '.join(f'{x:,.0f}' for x in rps)} "
+            runs = ", ".join(f"{x:,.0f}" for x in rps)
+            print(f"| {block} | {cap:,} | {name} | {med:,.0f} | {runs} "
                   f"| {rows[0]['hit_ratio']} | {ratio} |")
     for block, cap in points:
         r = results[("kvserve", block, cap)][0]

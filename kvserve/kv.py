@@ -106,7 +106,7 @@ def write_row(pools: MemoryPools, kv: ReqKV, start: int, end: int) -> None:
         pools.req_to_token_pool.write(kv.row, start, slots)
 
 
-def req_slot_ids(pools: MemoryPools, kv: ReqKV, start: int, end: int):  # noqa: ANN201
+def req_slot_ids(pools: MemoryPools, kv: ReqKV, start: int, end: int):
     """KV slot ids (int32 tensor) of positions ``[start, end)`` of this request."""
     return slot_ids(kv.page_ids, pools.page_size, start, end)
 
@@ -136,7 +136,8 @@ def alloc_for_extend(req: KVOwner, tree_cache: BasePrefixCache, extend_len: int)
     if row is None:
         return False
     prefix_pages = tree_cache.lock_page_ids(kv.lock) if kv.lock is not None else []
-    pages = _take_pages(tree_cache, num_pages(prefix_len + extend_len, pools.page_size) - len(prefix_pages))
+    need = num_pages(prefix_len + extend_len, pools.page_size) - len(prefix_pages)
+    pages = _take_pages(tree_cache, need)
     if pages is None:
         pools.req_to_token_pool.free(row)
         return False

@@ -9,6 +9,7 @@ from plain token lists: key building is inside it.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import time
 from dataclasses import dataclass
@@ -71,10 +72,8 @@ def _rss_bytes(field: str) -> int:
 
 
 def _reset_peak_rss() -> None:
-    try:
+    with contextlib.suppress(OSError):
         Path("/proc/self/clear_refs").write_text("5")
-    except OSError:
-        pass
 
 
 def build_cache(cap_tokens: int, page_size: int) -> RadixCache:

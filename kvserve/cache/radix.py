@@ -39,7 +39,9 @@ _TOKEN_BYTES = 4  # int32 token ids
 class TreeNode:
     """A run of cached pages. ``lock_ref > 0`` pins it and all its ancestors."""
 
-    __slots__ = ("key", "page_ids", "children", "parent", "lock_ref", "last_access", "in_heap", "uid")
+    __slots__ = (
+        "children", "in_heap", "key", "last_access", "lock_ref", "page_ids", "parent", "uid"
+    )
 
     def __init__(self, key: bytes, page_ids: array, parent: TreeNode | None, uid: int) -> None:
         self.key = key

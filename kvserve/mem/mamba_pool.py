@@ -29,7 +29,9 @@ class MambaPool:
         if size < 1 or num_layers < 1:
             raise PoolError(f"bad MambaPool sizes: size={size} num_layers={num_layers}")
         self.size = size
-        self.conv_state = torch.zeros((num_layers, size + 1, *conv_shape), dtype=dtype, device=device)
+        self.conv_state = torch.zeros(
+            (num_layers, size + 1, *conv_shape), dtype=dtype, device=device
+        )
         self.temporal_state = torch.zeros(
             (num_layers, size + 1, *temporal_shape), dtype=dtype, device=device
         )

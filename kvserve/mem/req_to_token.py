@@ -31,7 +31,9 @@ class ReqToTokenPool:
             )
         self.size = size
         self.row_width = context_len + spec_reserve + page_size - 1
-        self.req_to_token = torch.zeros((size + 1, self.row_width), dtype=torch.int32, device=device)
+        self.req_to_token = torch.zeros(
+            (size + 1, self.row_width), dtype=torch.int32, device=device
+        )
         self._is_free = bytearray([1]) * (size + 1)
         self._is_free[0] = 0
         self._free_rows: list[int] = list(range(size, 0, -1))

@@ -176,7 +176,8 @@ class InvariantChecker:
     def _check_rows(self, reqs: list[TrackedReq], report: CheckReport) -> None:
         pool = self.pools.req_to_token_pool
         rows = [r.kv.row for r in reqs if r.kv.row is not None]
-        numbers = {"free": pool.available_size(), "session": 0, "live": len(rows), "size": pool.size}
+        numbers = {"free": pool.available_size(), "session": 0, "live": len(rows),
+                   "size": pool.size}
         report.pools["rows"] = numbers
         _balance("rows", numbers["free"] + numbers["live"], pool.size, report)
         if len(set(rows)) != len(rows):
@@ -193,7 +194,8 @@ class InvariantChecker:
             if slots:
                 report.violations.append("requests hold Mamba slots but there is no Mamba pool")
             return
-        numbers = {"free": pool.available_size(), "session": 0, "live": len(slots), "size": pool.size}
+        numbers = {"free": pool.available_size(), "session": 0, "live": len(slots),
+                   "size": pool.size}
         report.pools["mamba_slots"] = numbers
         _balance("mamba slots", numbers["free"] + numbers["live"], pool.size, report)
         if len(set(slots)) != len(slots):
@@ -210,8 +212,8 @@ class InvariantChecker:
         ledger = PageLedger(alloc.num_pages)
         ledger.claim([0], "reserved")
         ledger.claim(alloc.free_page_ids(), "free")
-        for batch, pages in alloc.deferred_batches().items():
-            ledger.claim(pages, f"pending:{batch}")
+        for batch, deferred in alloc.deferred_batches().items():
+            ledger.claim(deferred, f"pending:{batch}")
         ledger.claim(self.tree_cache.cached_page_ids(), "tree")
         for req in reqs:
             ledger.claim(req.kv.owned_page_ids(page_size), f"req:{req.rid}")
@@ -221,8 +223,8 @@ class InvariantChecker:
             report.violations.append(f"page {page} owned by both {first} and {second}")
         if len(ledger.conflicts) > 20:
             report.violations.append(f"... {len(ledger.conflicts) - 20} more page conflicts")
-        for page, owner in ledger.out_of_range[:20]:
-            report.violations.append(f"{owner} holds page id {page}, outside the pool")
+        for page, holder in ledger.out_of_range[:20]:
+            report.violations.append(f"{holder} holds page id {page}, outside the pool")
         leaked = ledger.unowned()
         if leaked:
             report.violations.append(f"{len(leaked)} pages have no owner (leaked): {leaked[:20]}")

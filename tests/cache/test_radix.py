@@ -7,7 +7,8 @@ from kvserve.mem import MemoryPools, ReqToTokenPool, TokenToKVPoolAllocator
 
 
 def make_cache(page_size=1, num_tokens=1024):
-    pools = MemoryPools(ReqToTokenPool(4, 64, page_size), TokenToKVPoolAllocator(num_tokens, page_size))
+    pools = MemoryPools(ReqToTokenPool(4, 64, page_size),
+                        TokenToKVPoolAllocator(num_tokens, page_size))
     return RadixCache(pools)
 
 
