@@ -29,6 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     w1 = bench.add_parser(
         "prefix-cache",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         help="W1: replay prompts through the RadixCache and paged allocator",
         description="W1 prefix-cache replay. Without TRACE, a built-in synthetic "
         "multi-turn chat workload with shared system prompts is used.",

@@ -94,6 +94,18 @@ class KVAllocError(RuntimeError):
     """An allocation site was called on a request in the wrong state."""
 
 
+def extend_pages_needed(kv: ReqKV, start_len: int, extend_len: int, page_size: int) -> int:
+    """New pages ``alloc_for_extend`` takes to cover ``[start_len, start_len + extend_len)``.
+
+    ``start_len`` is the matched prefix for a request without a row (its prefix
+    pages come from the cache), else ignored in favour of the pages already held.
+    The scheduler's admission estimate calls this same function.
+    """
+    held = len(kv.page_ids) if kv.holds_row else num_pages(start_len, page_size)
+    start = kv.committed_len if kv.holds_row else start_len
+    return max(num_pages(start + extend_len, page_size) - held, 0)
+
+
 def spec_reserve_tokens(num_steps: int, topk: int, num_draft_tokens: int) -> int:
     """SGLang's speculative over-allocation: ``2 * max(steps * topk, num_draft_tokens)``."""
     return 2 * max(num_steps * topk, num_draft_tokens)
@@ -136,7 +148,7 @@ def alloc_for_extend(req: KVOwner, tree_cache: BasePrefixCache, extend_len: int)
     if row is None:
         return False
     prefix_pages = tree_cache.lock_page_ids(kv.lock) if kv.lock is not None else []
-    need = num_pages(prefix_len + extend_len, pools.page_size) - len(prefix_pages)
+    need = extend_pages_needed(kv, prefix_len, extend_len, pools.page_size)
     pages = _take_pages(tree_cache, need)
     if pages is None:
         pools.req_to_token_pool.free(row)
@@ -148,11 +160,24 @@ def alloc_for_extend(req: KVOwner, tree_cache: BasePrefixCache, extend_len: int)
     return _grow(kv, tree_cache, prefix_len + extend_len)
 
 
-def alloc_for_decode(req: KVOwner, tree_cache: BasePrefixCache) -> bool:
-    """A slot for the next token (position ``committed_len``); False when short."""
-    if not req.kv.holds_row:
-        raise KVAllocError(f"decode of request {req.rid} without a row")
-    return _grow(req.kv, tree_cache, req.kv.committed_len + 1)
+def alloc_for_decode(reqs: Sequence[KVOwner], tree_cache: BasePrefixCache) -> list[KVOwner]:
+    """A slot for each request's next token (position ``committed_len``).
+
+    Batch-level, like SGLang's: the row entries of the whole batch are written
+    in one indexed copy. Returns the requests that could not get a slot (nothing
+    was taken for them); the scheduler retracts those.
+    """
+    writes: list[tuple[ReqKV, int, int]] = []
+    failed: list[KVOwner] = []
+    for req in reqs:
+        kv = req.kv
+        if not kv.holds_row:
+            raise KVAllocError(f"decode of request {req.rid} without a row")
+        if not _grow(kv, tree_cache, kv.committed_len + 1, writes):
+            failed.append(req)
+    if writes:
+        _write_rows(tree_cache.pools, writes)
+    return failed
 
 
 def alloc_for_spec_decode(req: KVOwner, tree_cache: BasePrefixCache, reserve: int) -> bool:
@@ -164,8 +189,16 @@ def alloc_for_spec_decode(req: KVOwner, tree_cache: BasePrefixCache, reserve: in
     return _grow(kv, tree_cache, ceil_page(kv.committed_len + reserve, tree_cache.page_size))
 
 
-def _grow(kv: ReqKV, tree_cache: BasePrefixCache, target_len: int) -> bool:
-    """Raise ``allocated_len`` to ``target_len`` (no-op if already there); all or nothing."""
+def _grow(
+    kv: ReqKV,
+    tree_cache: BasePrefixCache,
+    target_len: int,
+    writes: list[tuple[ReqKV, int, int]] | None = None,
+) -> bool:
+    """Raise ``allocated_len`` to ``target_len`` (no-op if already there); all or nothing.
+
+    The new row entries are written now, or appended to ``writes`` for one batched copy.
+    """
     if target_len <= kv.allocated_len:
         return True
     pools = tree_cache.pools
@@ -175,9 +208,27 @@ def _grow(kv: ReqKV, tree_cache: BasePrefixCache, target_len: int) -> bool:
     if pages is None:
         return False
     kv.page_ids += pages
-    write_row(pools, kv, kv.allocated_len, target_len)
+    if writes is None:
+        write_row(pools, kv, kv.allocated_len, target_len)
+    else:
+        writes.append((kv, kv.allocated_len, target_len))
     kv.allocated_len = target_len
     return True
+
+
+def _write_rows(pools: MemoryPools, writes: list[tuple[ReqKV, int, int]]) -> None:
+    """Write the row entries of ``[start, end)`` for many requests in one indexed copy."""
+    page_size = pools.page_size
+    rows: list[int] = []
+    cols: list[int] = []
+    slots: list[int] = []
+    for kv, start, end in writes:
+        pages = kv.page_ids
+        for pos in range(start, end):
+            rows.append(kv.row)  # type: ignore[arg-type]
+            cols.append(pos)
+            slots.append(pages[pos // page_size] * page_size + pos % page_size)
+    pools.req_to_token_pool.write_many(rows, cols, slots)
 
 
 def _take_pages(tree_cache: BasePrefixCache, count: int) -> list[int] | None:

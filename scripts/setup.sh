@@ -1,12 +1,19 @@
 #!/usr/bin/env bash
 # Create .venv (if missing) and install kvserve with its test tools.
-# CPU torch comes first, from the pinned CPU build (torch==2.13.0), so that pip
-# never pulls a multi-GB CUDA build; a machine that already has torch keeps it.
+# If the Python that makes the venv already has torch (a GPU box), the venv sees
+# it (--system-site-packages) and keeps it. Otherwise torch==2.13.0 is installed
+# first: on this project's CPU machines pip takes the CPU build of that version
+# from a local wheel folder, which keeps pip from pulling a multi-GB CUDA build.
+# PYTHON=/path/to/python3.11+ picks the interpreter (default: python3).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
-  "$PY" -m venv .venv
+  if "$PY" -c "import torch" >/dev/null 2>&1; then
+    "$PY" -m venv --system-site-packages .venv
+  else
+    "$PY" -m venv .venv
+  fi
 fi
 VPY=.venv/bin/python
 if ! "$VPY" -c "import torch" >/dev/null 2>&1; then

@@ -134,7 +134,7 @@ def test_site_errors_for_requests_in_the_wrong_state():
     h = KVHarness()
     req = h.new([1, 2, 3])
     with pytest.raises(KVAllocError):
-        alloc_for_decode(req, h.cache)
+        alloc_for_decode([req], h.cache)
     with pytest.raises(KVAllocError):
         alloc_for_spec_decode(req, h.cache, 4)
     with pytest.raises(KVAllocError):

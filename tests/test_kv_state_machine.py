@@ -156,7 +156,7 @@ class PagedKVLayerMachine(KVLayerMachine):
 def _run(machine):
     machine.steps = 0
     run_state_machine_as_test(
-        machine, settings=settings(settings(), max_examples=80, stateful_step_count=40)
+        machine, settings=settings(settings(), stateful_step_count=40)
     )
     assert machine.steps >= MIN_STEPS, f"only {machine.steps} steps executed"
 

@@ -16,7 +16,7 @@ double free raises ``DoubleFreeError`` in production too, not only in tests::
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 
 from kvserve.mem.errors import DoubleFreeError, PoolError
@@ -55,6 +55,9 @@ class TokenToKVPoolAllocator:
         self._group: list[int] | None = None
         self._defer_batch: int | None = None
         self._deferred: dict[int, list[int]] = {}
+        # Called with the page ids that just became free (the scripted runtime
+        # poisons their KV so a stale read changes its output).
+        self.on_free: Callable[[Sequence[int]], None] | None = None
 
     # -- sizes ---------------------------------------------------------------------
     def available_size(self) -> int:
@@ -112,6 +115,8 @@ class TokenToKVPoolAllocator:
         else:
             self._mark(page_ids, USED, FREE)
             self._free_pages.extend(page_ids)
+            if self.on_free is not None:
+                self.on_free(page_ids)
 
     @contextmanager
     def free_group(self) -> Iterator[None]:
@@ -149,6 +154,8 @@ class TokenToKVPoolAllocator:
             return 0
         self._mark(pages, PENDING, FREE)
         self._free_pages.extend(pages)
+        if self.on_free is not None:
+            self.on_free(pages)
         return len(pages)
 
     def deferred_batches(self) -> dict[int, list[int]]:

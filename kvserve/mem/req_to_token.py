@@ -66,5 +66,16 @@ class ReqToTokenPool:
             raise PoolError(f"row write [{start}, {end}) past row width {self.row_width}")
         self.req_to_token[row, start:end] = slot_ids.to(self.req_to_token.device)
 
+    def write_many(self, rows: list[int], cols: list[int], slot_ids: list[int]) -> None:
+        """Set ``req_to_token[rows[i], cols[i]] = slot_ids[i]`` for all ``i`` in one copy."""
+        if not rows:
+            return
+        if max(cols) >= self.row_width:
+            raise PoolError(f"row write at column {max(cols)} past row width {self.row_width}")
+        dev = self.req_to_token.device
+        self.req_to_token[torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)] = (
+            torch.tensor(slot_ids, dtype=torch.int32, device=dev)
+        )
+
     def is_free(self, row: int) -> bool:
         return bool(self._is_free[row])

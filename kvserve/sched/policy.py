@@ -1,0 +1,152 @@
+"""Admission: SGLang's ``PrefillAdder`` budget rules and ``new_token_ratio``.
+
+Budget of one prefill step, in tokens (SGLang ``schedule_policy.py``)::
+
+    rem_total = available + evictable - reservation
+    reservation = sum over running of min(max_new - generated, 4096) * new_token_ratio
+                + sum over requests admitted this step of extend_len + min(max_new, 4096)
+
+A request is admitted when ``extend_len + min(max_new, 4096) + page_size`` fits in
+``rem_total``, checked once, then again after its prefix is locked (locking turns
+evictable tokens into protected ones). ``max_prefill_tokens``, the chunk budget,
+free rows and ``max_running_requests`` bound the step too.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+
+from kvserve.cache.base import BasePrefixCache
+from kvserve.kv import extend_pages_needed, lock_prefix, release_kv_cache
+from kvserve.mem.pages import floor_page
+from kvserve.sched.req import CLIP_MAX_NEW_TOKENS, Req
+from kvserve.sched.state import ReqState
+
+RETRACT_DECODE_STEPS = 20
+
+
+class NewTokenRatio:
+    """How much of their remaining ``max_new_tokens`` running requests are expected
+    to use: init 0.7 x conservativeness, floor 0.14 x init, linear decay to the floor
+    over 600 decode steps, recomputed after a retraction, reset at idle (SGLang)."""
+
+    DECAY_STEPS = 600
+
+    def __init__(self, schedule_conservativeness: float = 1.0) -> None:
+        self.init = min(0.7 * schedule_conservativeness, 1.0)
+        self.min = min(self.init * 0.14, 1.0)
+        self.decay = (self.init - self.min) / self.DECAY_STEPS
+        self.value = self.init
+
+    def on_decode_step(self) -> None:
+        self.value = max(self.value - self.decay, self.min)
+
+    def on_retract(self, running: Sequence[Req]) -> None:
+        decoded = sum(len(r.output_ids) for r in running)
+        max_new = sum(r.sampling.max_new_tokens for r in running)
+        self.value = min(1.0, (decoded + RETRACT_DECODE_STEPS * len(running)) / (max_new + 1))
+
+    def reset(self) -> None:
+        self.value = self.init
+
+
+def remaining_new_tokens(req: Req) -> int:
+    """Tokens the request may still generate, clipped as SGLang clips estimates."""
+    return min(max(req.sampling.max_new_tokens - len(req.output_ids), 0), CLIP_MAX_NEW_TOKENS)
+
+
+class AddResult(enum.Enum):
+    CONTINUE = "continue"
+    NO_TOKEN = "no_token"  # memory budget exhausted
+    OTHER = "other"  # another bound (prefill tokens, chunk, rows, running requests)
+
+
+class PrefillAdder:
+    """Chooses the requests of one prefill batch within the step's budgets."""
+
+    def __init__(
+        self,
+        tree_cache: BasePrefixCache,
+        running: Sequence[Req],
+        new_token_ratio: float,
+        max_prefill_tokens: int,
+        chunked_prefill_size: int | None,
+        max_new_requests: int,
+    ) -> None:
+        self.tree_cache = tree_cache
+        self.page_size = tree_cache.page_size
+        self.offset = sum(int(remaining_new_tokens(r) * new_token_ratio) for r in running)
+        self.rem_input_tokens = max_prefill_tokens
+        self.rem_chunk_tokens = chunked_prefill_size
+        self.new_slots = max_new_requests
+        self.idle = not running
+        self.can_run: list[Req] = []
+        self.new_chunked_req: Req | None = None
+
+    @property
+    def rem_total_tokens(self) -> int:
+        pools = self.tree_cache.pools
+        return pools.allocator.available_size() + self.tree_cache.evictable_size() - self.offset
+
+    def _fits_memory(self, req: Req, extend_len: int) -> bool:
+        """SGLang's estimate; an idle engine drops the output reservation of the first
+        request so a long prompt can always start (the real need always fits)."""
+        if self.idle and not self.can_run:
+            need = extend_pages_needed(req.kv, req.match_len, extend_len, self.page_size)
+            return need * self.page_size <= self.rem_total_tokens
+        estimate = extend_len + remaining_new_tokens(req) + self.page_size
+        return estimate <= self.rem_total_tokens
+
+    def add_chunked_req(self, req: Req) -> None:
+        """The request mid chunked prefill goes first; its next chunk is page aligned."""
+        remaining = req.seq_len - req.kv.committed_len
+        chunk = self.rem_chunk_tokens
+        if chunk is None or remaining <= chunk:
+            extend = remaining
+        else:
+            extend = floor_page(chunk, self.page_size)
+        req.extend_len = extend
+        self._spend(req, extend, remaining)
+        self.can_run.append(req)
+        if extend < remaining:
+            self.new_chunked_req = req
+        self.idle = False
+
+    def add_one_req(self, req: Req, rows_free: int) -> AddResult:
+        """Admit ``req`` (lock its matched prefix) if every budget allows."""
+        extend_len = req.seq_len - req.match_len
+        if self.new_slots <= 0 or rows_free <= 0:
+            return AddResult.OTHER
+        if not self._fits_memory(req, extend_len):
+            return AddResult.NO_TOKEN
+        if extend_len > self.rem_input_tokens and self.can_run:
+            return AddResult.OTHER
+        chunk = self.rem_chunk_tokens
+        if chunk is not None and extend_len > chunk and floor_page(chunk, self.page_size) <= 0:
+            return AddResult.OTHER
+        lock_prefix(req, self.tree_cache, req.match_node)
+        if not self._fits_memory(req, extend_len):  # the lock made part of evictable protected
+            release_kv_cache(req, self.tree_cache, insert=False)
+            return AddResult.NO_TOKEN
+        if chunk is None or extend_len <= chunk:
+            req.extend_len = extend_len
+        else:
+            req.extend_len = floor_page(chunk, self.page_size)
+            self.new_chunked_req = req
+        self._spend(req, req.extend_len, extend_len)
+        req.state = ReqState.ADMITTED
+        self.can_run.append(req)
+        self.new_slots -= 1
+        if self.new_chunked_req is not None or self.rem_input_tokens <= 0:
+            return AddResult.OTHER
+        if chunk is not None and self.rem_chunk_tokens is not None and self.rem_chunk_tokens <= 0:
+            return AddResult.OTHER
+        return AddResult.CONTINUE
+
+    def _spend(self, req: Req, extend_len: int, remaining_prompt: int) -> None:
+        # Reserve the whole remaining prompt (later chunks included) and the output.
+        self.offset += remaining_prompt + remaining_new_tokens(req)
+        self.rem_input_tokens -= extend_len
+        if self.rem_chunk_tokens is not None:
+            self.rem_chunk_tokens -= extend_len

@@ -1,0 +1,89 @@
+"""A request as the scheduler sees it: prompt, sampling limits, output, state, KV record."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvserve.kv import ReqKV
+from kvserve.sched.state import ReqState
+
+CLIP_MAX_NEW_TOKENS = 4096  # SGLang: cap of max_new_tokens in admission estimates
+
+
+class RequestRejected(ValueError):
+    """``add_request`` refused a request; it holds nothing and is not queued."""
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """Stopping limits the scheduler enforces (sampling itself lives in the model runner).
+
+    ``max_new_tokens=0`` runs the prefill only (warms the prefix cache) and returns
+    no tokens.
+    """
+
+    max_new_tokens: int = 128
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def validate(self) -> None:
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 0:
+            raise RequestRejected(f"max_new_tokens must be an integer >= 0, got "
+                                  f"{self.max_new_tokens!r}")
+
+
+class FinishKind(enum.Enum):
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+
+
+@dataclass(frozen=True, slots=True)
+class FinishReason:
+    kind: FinishKind
+    message: str = ""
+    matched_token: int | None = None
+
+
+OOM_MESSAGE = "out of memory even after retracting all other requests"
+
+
+@dataclass(eq=False, slots=True)
+class Req:
+    """One request. ``kv`` is always present; its predicates say what is held."""
+
+    rid: str
+    prompt_ids: list[int]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    extra_key: str | None = None
+    output_ids: list[int] = field(default_factory=list)
+    kv: ReqKV = field(default_factory=ReqKV)
+    state: ReqState = ReqState.WAITING
+    finished_reason: FinishReason | None = None
+    to_finish: FinishReason | None = None  # abort decided, applied when results are processed
+    cached_tokens: int = 0  # prefix tokens found in the cache at first admission
+    admissions: int = 0
+    # scheduling scratch: the last match (no lock) and this step's extend length
+    match_len: int = 0
+    match_node: Any = None
+    extend_len: int = 0
+
+    @property
+    def fill_ids(self) -> list[int]:
+        """Prompt then output: the sequence whose KV the request computes."""
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def seq_len(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def req_pool_idx(self) -> int | None:
+        """SGLang's name for the row; says nothing about holding KV."""
+        return self.kv.row
+
+    @property
+    def finished(self) -> bool:
+        return self.state is ReqState.FINISHED
