@@ -80,6 +80,7 @@ class TokenToKVPoolAllocator:
         if num_pages == 0:
             return []
         taken = free[-num_pages:]
+        taken.reverse()  # ascending ids on a fresh pool: easier to read in tests and dumps
         del free[-num_pages:]
         state = self._state
         for page in taken:

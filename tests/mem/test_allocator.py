@@ -9,15 +9,15 @@ def test_fresh_pool_hands_out_pages_from_one_and_never_page_zero(page_size):
     assert alloc.num_pages == 8
     assert alloc.size == 8 * page_size
     assert alloc.available_size() == 8 * page_size
-    assert alloc.alloc_pages(3) == [3, 2, 1]
+    assert alloc.alloc_pages(3) == [1, 2, 3]
     assert alloc.page_state(0) == "reserved"
 
 
 def test_alloc_order_and_sizes():
     alloc = TokenToKVPoolAllocator(64, 16)
-    assert alloc.alloc_pages(2) == [2, 1]
+    assert alloc.alloc_pages(2) == [1, 2]
     assert alloc.available_size() == 32
-    assert alloc.alloc(17) == [4, 3]
+    assert alloc.alloc(17) == [3, 4]
     assert alloc.alloc(1) is None
     assert alloc.available_size() == 0
     assert alloc.state_counts() == {"used": 4, "free": 0, "reserved": 1, "pending release": 0}
