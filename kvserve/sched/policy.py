@@ -89,29 +89,37 @@ class PrefillAdder:
         pools = self.tree_cache.pools
         return pools.allocator.available_size() + self.tree_cache.evictable_size() - self.offset
 
+    def _real_tokens(self, req: Req, extend_len: int) -> int:
+        """Tokens of new pages ``alloc_for_extend`` will take: the same function it calls."""
+        pages = extend_pages_needed(req.kv, req.match_len, extend_len, self.page_size)
+        return pages * self.page_size
+
     def _fits_memory(self, req: Req, extend_len: int) -> bool:
         """SGLang's estimate; an idle engine drops the output reservation of the first
         request so a long prompt can always start (the real need always fits)."""
         if self.idle and not self.can_run:
-            need = extend_pages_needed(req.kv, req.match_len, extend_len, self.page_size)
-            return need * self.page_size <= self.rem_total_tokens
+            return self._real_tokens(req, extend_len) <= self.rem_total_tokens
         estimate = extend_len + remaining_new_tokens(req) + self.page_size
         return estimate <= self.rem_total_tokens
 
-    def add_chunked_req(self, req: Req) -> None:
-        """The request mid chunked prefill goes first; its next chunk is page aligned."""
+    def add_chunked_req(self, req: Req) -> bool:
+        """The request mid chunked prefill goes first; its next chunk is page aligned.
+        False (nothing reserved) when even that chunk's pages do not fit now."""
         remaining = req.seq_len - req.kv.committed_len
         chunk = self.rem_chunk_tokens
         if chunk is None or remaining <= chunk:
             extend = remaining
         else:
             extend = floor_page(chunk, self.page_size)
+        if self._real_tokens(req, extend) > self.rem_total_tokens:
+            return False
         req.extend_len = extend
         self._spend(req, extend, remaining)
         self.can_run.append(req)
         if extend < remaining:
             self.new_chunked_req = req
         self.idle = False
+        return True
 
     def add_one_req(self, req: Req, rows_free: int) -> AddResult:
         """Admit ``req`` (lock its matched prefix) if every budget allows."""
@@ -145,8 +153,9 @@ class PrefillAdder:
         return AddResult.CONTINUE
 
     def _spend(self, req: Req, extend_len: int, remaining_prompt: int) -> None:
-        # Reserve the whole remaining prompt (later chunks included) and the output.
-        self.offset += remaining_prompt + remaining_new_tokens(req)
+        # Reserve this chunk's real pages, the rest of the prompt and the output.
+        real = self._real_tokens(req, extend_len)
+        self.offset += real + remaining_prompt - extend_len + remaining_new_tokens(req)
         self.rem_input_tokens -= extend_len
         if self.rem_chunk_tokens is not None:
             self.rem_chunk_tokens -= extend_len

@@ -324,8 +324,8 @@ class Scheduler:
             self.tree_cache, self.running, self.ratio.value, cfg.max_prefill_tokens,
             cfg.chunk_size, cfg.max_running_requests - len(self.running) - (chunked is not None),
         )
-        if chunked is not None:
-            adder.add_chunked_req(chunked)
+        if chunked is not None and not adder.add_chunked_req(chunked):
+            return None  # its next chunk does not fit yet: decode frees memory first
         self._match_waiting()
         rows_free = self.pools.req_to_token_pool.available_size()
         for req in self.waiting:

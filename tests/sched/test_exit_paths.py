@@ -222,3 +222,18 @@ def test_prompt_larger_than_the_pool_is_rejected():
     with pytest.raises(RequestRejected, match="exceeds the KV pool of 64 tokens"):
         e.add(list(range(1, 100)))
     e.assert_idle_and_full()
+
+
+@pytest.mark.parametrize(("page_size", "chunked"), CASES)
+def test_allocation_missing_after_admission_goes_back_to_waiting(page_size, chunked):
+    e = make(page_size, chunked)
+    h = e.add(PROMPT, max_new_tokens=3)
+    e.scheduler.on_admitted = lambda reqs: e.exhaust_pool(10**9)  # memory stolen meanwhile
+    e.step()
+    assert h.state is ReqState.RETRACTED and not h.req.kv.holds_anything
+    assert h.req in e.scheduler.waiting
+    e.scheduler.on_admitted = None
+    e.restore_pool()
+    e.run_until_idle()
+    assert h.output_ids == e.reference(PROMPT, 3)
+    gone(e, h)
