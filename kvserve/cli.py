@@ -40,7 +40,54 @@ def build_parser() -> argparse.ArgumentParser:
     w1.add_argument("--cap", type=_positive, default=200_000, help="KV pool capacity in tokens")
     w1.add_argument("--limit", type=_non_negative, default=0, help="only the first N rows")
     w1.add_argument("--repeat", type=_positive, default=1, help="runs (one line each)")
+    replay = bench.add_parser(
+        "replay",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        help="W2: replay a Mooncake trace through the whole scheduler",
+        description="W2 scheduler replay with the scripted model (page 16, 131,072-token "
+        "pool, 512 running, chunked prefill 4096, lpm), checker strict every step.",
+    )
+    replay.add_argument("trace", help="Mooncake hash-id trace (.jsonl)")
+    replay.add_argument("--model", choices=["scripted"], default="scripted",
+                        help="model behind the scheduler (the real engine comes later)")
+    replay.add_argument("--block", type=_positive, default=16, help="tokens per trace hash id")
+    replay.add_argument("--limit", type=_non_negative, default=0, help="only the first N rows")
+    replay.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    steady = bench.add_parser(
+        "decode-steady",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        help="W2: scheduler time per step with a batch held in steady decode",
+    )
+    steady.add_argument("--batch", type=_positive, default=256)
+    steady.add_argument("--prompt-len", type=_positive, default=512)
+    steady.add_argument("--cached-tokens", type=_non_negative, default=0,
+                        help="extra tokens cached in the tree before the run")
+    steady.add_argument("--steps", type=_positive, default=200, help="measured decode steps")
     return parser
+
+
+def _bench_replay(args: argparse.Namespace) -> int:
+    from kvserve.bench.replay import load_trace_requests, replay_trace
+
+    try:
+        requests = load_trace_requests(args.trace, args.block, args.limit)
+    except (OSError, ValueError) as err:
+        print(f"kvserve: cannot read trace: {err}", file=sys.stderr)
+        return 2
+    if not requests:
+        print("kvserve: the trace has no requests", file=sys.stderr)
+        return 2
+    result = replay_trace(requests, progress=not args.no_progress)
+    print(result.line(), flush=True)
+    return 0 if result.violations == 0 else 1
+
+
+def _bench_decode_steady(args: argparse.Namespace) -> int:
+    from kvserve.bench.replay import decode_steady
+
+    print(decode_steady(args.batch, args.prompt_len, args.cached_tokens, steps=args.steps).line(),
+          flush=True)
+    return 0
 
 
 def _bench_prefix_cache(args: argparse.Namespace) -> int:
@@ -75,9 +122,12 @@ def _bench_prefix_cache(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.command == "bench" and args.bench == "prefix-cache":
-        return _bench_prefix_cache(args)
-    return 2  # unreachable: argparse requires a known command
+    handlers = {
+        "prefix-cache": _bench_prefix_cache,
+        "replay": _bench_replay,
+        "decode-steady": _bench_decode_steady,
+    }
+    return handlers[args.bench](args)
 
 
 if __name__ == "__main__":

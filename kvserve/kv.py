@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 from kvserve.mem.pages import ceil_page, num_pages, slot_ids
 from kvserve.mem.pools import MemoryPools
@@ -160,24 +160,51 @@ def alloc_for_extend(req: KVOwner, tree_cache: BasePrefixCache, extend_len: int)
     return _grow(kv, tree_cache, prefix_len + extend_len)
 
 
-def alloc_for_decode(reqs: Sequence[KVOwner], tree_cache: BasePrefixCache) -> list[KVOwner]:
+class DecodeAlloc(NamedTuple):
+    """Result of ``alloc_for_decode``."""
+
+    out_cache_loc: list[int]  # slot of position committed_len, per request that got one
+    failed: list[KVOwner]  # requests that could not get a slot (nothing taken for them)
+
+
+def alloc_for_decode(reqs: Sequence[KVOwner], tree_cache: BasePrefixCache) -> DecodeAlloc:
     """A slot for each request's next token (position ``committed_len``).
 
-    Batch-level, like SGLang's: the row entries of the whole batch are written
-    in one indexed copy. Returns the requests that could not get a slot (nothing
-    was taken for them); the scheduler retracts those.
+    Batch-level, like SGLang's: a new page only where the position starts one,
+    the row entries of the whole batch written in one indexed copy, and the slots
+    returned as the batch's ``out_cache_loc`` (requests that failed left out).
     """
-    writes: list[tuple[ReqKV, int, int]] = []
+    pools = tree_cache.pools
+    page_size = pools.page_size
+    width = pools.req_to_token_pool.row_width
+    rows: list[int] = []
+    cols: list[int] = []
+    new_slots: list[int] = []
+    out: list[int] = []
     failed: list[KVOwner] = []
     for req in reqs:
         kv = req.kv
-        if not kv.holds_row:
-            raise KVAllocError(f"decode of request {req.rid} without a row")
-        if not _grow(kv, tree_cache, kv.committed_len + 1, writes):
-            failed.append(req)
-    if writes:
-        _write_rows(tree_cache.pools, writes)
-    return failed
+        pos = kv.committed_len
+        page_ids = kv.page_ids
+        if pos >= kv.allocated_len:
+            if kv.row is None:
+                raise KVAllocError(f"decode of request {req.rid} without a row")
+            if pos >= len(page_ids) * page_size:
+                pages = _take_pages(tree_cache, 1) if pos < width else None
+                if pages is None:
+                    failed.append(req)
+                    continue
+                page_ids.append(pages[0])
+            slot = page_ids[pos // page_size] * page_size + pos % page_size
+            rows.append(kv.row)
+            cols.append(pos)
+            new_slots.append(slot)
+            kv.allocated_len = pos + 1
+        else:
+            slot = page_ids[pos // page_size] * page_size + pos % page_size
+        out.append(slot)
+    pools.req_to_token_pool.write_many(rows, cols, new_slots)
+    return DecodeAlloc(out, failed)
 
 
 def alloc_for_spec_decode(req: KVOwner, tree_cache: BasePrefixCache, reserve: int) -> bool:
@@ -189,16 +216,8 @@ def alloc_for_spec_decode(req: KVOwner, tree_cache: BasePrefixCache, reserve: in
     return _grow(kv, tree_cache, ceil_page(kv.committed_len + reserve, tree_cache.page_size))
 
 
-def _grow(
-    kv: ReqKV,
-    tree_cache: BasePrefixCache,
-    target_len: int,
-    writes: list[tuple[ReqKV, int, int]] | None = None,
-) -> bool:
-    """Raise ``allocated_len`` to ``target_len`` (no-op if already there); all or nothing.
-
-    The new row entries are written now, or appended to ``writes`` for one batched copy.
-    """
+def _grow(kv: ReqKV, tree_cache: BasePrefixCache, target_len: int) -> bool:
+    """Raise ``allocated_len`` to ``target_len`` (no-op if already there); all or nothing."""
     if target_len <= kv.allocated_len:
         return True
     pools = tree_cache.pools
@@ -208,27 +227,9 @@ def _grow(
     if pages is None:
         return False
     kv.page_ids += pages
-    if writes is None:
-        write_row(pools, kv, kv.allocated_len, target_len)
-    else:
-        writes.append((kv, kv.allocated_len, target_len))
+    write_row(pools, kv, kv.allocated_len, target_len)
     kv.allocated_len = target_len
     return True
-
-
-def _write_rows(pools: MemoryPools, writes: list[tuple[ReqKV, int, int]]) -> None:
-    """Write the row entries of ``[start, end)`` for many requests in one indexed copy."""
-    page_size = pools.page_size
-    rows: list[int] = []
-    cols: list[int] = []
-    slots: list[int] = []
-    for kv, start, end in writes:
-        pages = kv.page_ids
-        for pos in range(start, end):
-            rows.append(kv.row)  # type: ignore[arg-type]
-            cols.append(pos)
-            slots.append(pages[pos // page_size] * page_size + pos % page_size)
-    pools.req_to_token_pool.write_many(rows, cols, slots)
 
 
 def _take_pages(tree_cache: BasePrefixCache, count: int) -> list[int] | None:

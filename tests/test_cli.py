@@ -98,3 +98,35 @@ def test_console_entry_point_runs():
                            "--limit", "20"], capture_output=True, text=True, check=False)
     assert proc.returncode == 0, proc.stderr
     assert parse(proc.stdout.strip())["requests"] == "20"
+
+
+def test_bench_replay_small_trace_is_clean(tmp_path, capsys):
+    rows = [{"timestamp": 1000 * (i // 2), "input_length": 2048, "output_length": 40,
+             "hash_ids": [0, i % 3 + 1, i + 10, i + 100]} for i in range(12)]
+    trace = write_trace(tmp_path / "t.jsonl", rows)
+    assert main(["bench", "replay", trace, "--no-progress"]) == 0
+    line = parse(capsys.readouterr().out.strip())
+    assert list(line)[:10] == ["requests", "steps", "hit_ratio", "retractions", "aborts",
+                               "checker_runs", "violations", "sched_us_per_step_p50",
+                               "sched_us_per_step_p99", "checker_us_per_step_p50"]
+    assert line["requests"] == "12" and line["violations"] == "0" and line["aborts"] == "0"
+    assert line["checker_runs"] == line["steps"]
+    # every request shares block 0 (64 tokens at block 16); later ones also hit block 1..3
+    assert float(line["hit_ratio"]) > 0.3
+
+
+def test_bench_replay_bad_trace(tmp_path, capsys):
+    assert main(["bench", "replay", str(tmp_path / "missing.jsonl")]) == 2
+    assert "cannot read trace" in capsys.readouterr().err
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    assert main(["bench", "replay", str(empty)]) == 2
+    assert "no requests" in capsys.readouterr().err
+
+
+def test_bench_decode_steady_small(capsys):
+    assert main(["bench", "decode-steady", "--batch", "8", "--prompt-len", "40",
+                 "--steps", "5", "--cached-tokens", "320"]) == 0
+    line = parse(capsys.readouterr().out.strip())
+    assert line["batch"] == "8" and line["cached_tokens"] == "320"
+    assert float(line["sched_us_per_decode_step_p50"]) > 0

@@ -69,11 +69,19 @@ class Req:
     match_len: int = 0
     match_node: Any = None
     extend_len: int = 0
+    # finish limits, fixed at add_request: stop when the output reaches max_output_len
+    # (max_new_tokens or the context limit) or a token in stop_ids is sampled
+    max_output_len: int = 0
+    stop_ids: frozenset[int] = frozenset()
 
     @property
     def fill_ids(self) -> list[int]:
         """Prompt then output: the sequence whose KV the request computes."""
         return self.prompt_ids + self.output_ids
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_ids)
 
     @property
     def seq_len(self) -> int:

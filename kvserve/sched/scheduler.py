@@ -21,6 +21,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -131,8 +132,7 @@ class AbortStatus(enum.Enum):
     NOT_FOUND = "not found"  # unknown or already finished: nothing done
 
 
-@dataclass(slots=True)
-class ReqOutput:
+class ReqOutput(NamedTuple):
     """What one step produced for one request."""
 
     rid: str
@@ -226,6 +226,11 @@ class Scheduler:
         if any(not isinstance(t, int) or not 0 <= t <= _INT32_MAX for t in prompt):
             raise RequestRejected("token ids must be integers in [0, 2**31 - 1]")
         req = Req(rid, prompt, sampling, extra_key)
+        req.max_output_len = min(sampling.max_new_tokens, self.config.context_len - len(prompt))
+        stops = set(sampling.stop_token_ids)
+        if not sampling.ignore_eos:
+            stops.update(self.config.eos_token_ids)
+        req.stop_ids = frozenset(stops)
         self.reqs[rid] = req
         self.waiting.append(req)
         return req
@@ -388,8 +393,9 @@ class Scheduler:
             return None
         retracted = self._check_decode_mem()
         spec = self.config.speculative
+        slots: list[int] | None = None
         if spec is None:
-            failed = alloc_for_decode(self.running, self.tree_cache)
+            slots, failed = alloc_for_decode(self.running, self.tree_cache)
         else:
             failed = [r for r in self.running
                       if not alloc_for_spec_decode(r, self.tree_cache, spec.reserve)]
@@ -401,7 +407,33 @@ class Scheduler:
         if not retracted and not failed:
             self.ratio.on_decode_step()
         self.stats.decode_batches += 1
+        if slots is not None:
+            return self._build_decode_batch(list(self.running), slots)
         return self._build_batch(ForwardMode.DECODE, list(self.running))
+
+    def _build_decode_batch(self, reqs: list[Req], slots: list[int]) -> ScheduleBatch:
+        """One token per request at position ``committed_len`` (the hot path)."""
+        device = self.pools.req_to_token_pool.req_to_token.device
+        n = len(reqs)
+
+        def i32(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int32, device=device)
+
+        positions = i32([r.kv.committed_len for r in reqs])
+        batch_id = next(self._batch_ids)
+        forward = ForwardBatch(
+            batch_id=batch_id,
+            forward_mode=ForwardMode.DECODE,
+            input_ids=i32([r.output_ids[-1] for r in reqs]),
+            positions=positions,
+            out_cache_loc=i32(slots),
+            req_pool_indices=i32([r.kv.row for r in reqs]),  # type: ignore[misc]
+            seq_lens=positions + 1,
+            prefix_lens=positions,
+            extend_lens=torch.ones(n, dtype=torch.int32, device=device),
+            sample=torch.ones(n, dtype=torch.bool, device=device),
+        )
+        return ScheduleBatch(batch_id, ForwardMode.DECODE, reqs, forward)
 
     def _decode_pages_needed(self, req: Req) -> int:
         spec = self.config.speculative
@@ -418,7 +450,12 @@ class Scheduler:
         retract (SGLang's order: fewest output tokens first, then longest prompt).
         Returns whether anything was retracted."""
         alloc = self.pools.allocator
-        need = sum(self._decode_pages_needed(r) for r in self.running)
+        if self.config.speculative is None:  # a page where the next position starts one
+            page_size = alloc.page_size
+            need = sum(1 for r in self.running
+                       if r.kv.committed_len >= len(r.kv.page_ids) * page_size)
+        else:
+            need = sum(self._decode_pages_needed(r) for r in self.running)
         if need <= alloc.available_pages():
             return False
         self.tree_cache.evict((need - alloc.available_pages()) * alloc.page_size)
@@ -445,11 +482,9 @@ class Scheduler:
     def _build_batch(self, mode: ForwardMode, reqs: list[Req]) -> ScheduleBatch:
         pools = self.pools
         device = pools.req_to_token_pool.req_to_token.device
-        page_size = pools.page_size
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[torch.Tensor] = []
-        decode_slots: list[int] = []
         rows, seq_lens, prefix_lens, extend_lens, sample = [], [], [], [], []
         spec = self.config.speculative
         for req in reqs:
@@ -462,26 +497,19 @@ class Scheduler:
                 slots.append(req_slot_ids(pools, kv, start, end))
                 width, last = end - start, end
                 sample.append(end >= req.seq_len)
-            else:
-                input_ids.append(req.output_ids[-1] if req.output_ids else req.prompt_ids[-1])
+            else:  # speculative window (plain decode: _build_decode_batch)
+                assert spec is not None
+                input_ids.append(req.output_ids[-1])
                 positions.append(start)
-                if spec is None:
-                    width = 1
-                    decode_slots.append(kv.page_ids[start // page_size] * page_size
-                                        + start % page_size)
-                else:
-                    width = spec.reserve
-                    slots.append(req_slot_ids(pools, kv, start, start + width))
+                width = spec.reserve
+                slots.append(req_slot_ids(pools, kv, start, start + width))
                 last = start + 1
                 sample.append(True)
             rows.append(kv.row)
             seq_lens.append(last)
             prefix_lens.append(start)
             extend_lens.append(width)
-        if decode_slots:
-            out_cache_loc = torch.tensor(decode_slots, dtype=torch.int32)
-        else:
-            out_cache_loc = torch.cat(slots) if slots else torch.empty(0, dtype=torch.int32)
+        out_cache_loc = torch.cat(slots) if slots else torch.empty(0, dtype=torch.int32)
 
         def i32(values: list) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.int32, device=device)
@@ -506,23 +534,49 @@ class Scheduler:
         if len(result.token_ids) != len(batch.reqs):
             raise ValueError(f"model returned {len(result.token_ids)} results for "
                              f"{len(batch.reqs)} requests")
-        widths = batch.forward_batch.extend_lens.tolist()
-        for req, tokens, width in zip(batch.reqs, result.token_ids, widths, strict=True):
-            if req.to_finish is not None:
-                if req is self.chunked_req:
-                    self.chunked_req = None
-                self._finish(req, req.to_finish, insert=True)
-            elif batch.forward_mode is ForwardMode.EXTEND:
-                self._process_extend(req, tokens)
-            else:
-                if len(tokens) > width:
-                    raise ValueError(f"model accepted {len(tokens)} tokens for {req.rid}, "
-                                     f"window {width}")
-                self._append_tokens(req, tokens, commit=True)
+        fb = batch.forward_batch
+        if batch.forward_mode is ForwardMode.DECODE and not fb.speculative:
+            self._process_decode(batch.reqs, result.token_ids)
+        else:
+            widths = fb.extend_lens.tolist()
+            for req, tokens, width in zip(batch.reqs, result.token_ids, widths, strict=True):
+                if req.to_finish is not None:
+                    if req is self.chunked_req:
+                        self.chunked_req = None
+                    self._finish(req, req.to_finish, insert=True)
+                elif batch.forward_mode is ForwardMode.EXTEND:
+                    self._process_extend(req, tokens)
+                else:
+                    if len(tokens) > width:
+                        raise ValueError(f"model accepted {len(tokens)} tokens for {req.rid}, "
+                                         f"window {width}")
+                    self._append_tokens(req, tokens, commit=True)
         if batch.forward_mode is ForwardMode.DECODE or any(
             r.state is not ReqState.RUNNING for r in self.running
         ):
             self.running = [r for r in self.running if r.state is ReqState.RUNNING]
+
+    def _process_decode(self, reqs: list[Req], results: list[list[int]]) -> None:
+        """One token per request (the hot path): commit its input's KV, append it."""
+        outputs = self._outputs
+        for req, tokens in zip(reqs, results, strict=True):
+            if req.to_finish is not None:
+                self._finish(req, req.to_finish, insert=True)
+                continue
+            if len(tokens) != 1:
+                raise ValueError(f"model returned {len(tokens)} tokens for {req.rid} in decode")
+            token = tokens[0]
+            out = req.output_ids
+            if token in req.stop_ids or len(out) + 1 >= req.max_output_len:
+                self._append_tokens(req, tokens, commit=True)
+                continue
+            kv = req.kv
+            if kv.committed_len >= kv.allocated_len:
+                commit_kv(req, 1)  # raises: no slot was allocated for this token
+            kv.committed_len += 1
+            out.append(token)
+            outputs.append(ReqOutput(req.rid, tokens, None, req.prompt_len, req.cached_tokens,
+                                     len(out)))
 
     def _process_extend(self, req: Req, tokens: list[int]) -> None:
         commit_kv(req, req.extend_len)
@@ -537,6 +591,8 @@ class Scheduler:
             return
         req.state = ReqState.RUNNING
         if self._append_tokens(req, tokens[:1], commit=False):
+            # Share the prompt with requests arriving while this one decodes (as SGLang).
+            self.tree_cache.cache_unfinished_req(req)
             self.running.append(req)
 
     def _append_tokens(self, req: Req, tokens: list[int], commit: bool) -> bool:
@@ -561,9 +617,7 @@ class Scheduler:
 
     def _finish_reason(self, req: Req, token: int, new_tokens: int) -> FinishReason | None:
         sampling = req.sampling
-        if token in sampling.stop_token_ids or (
-            not sampling.ignore_eos and token in self.config.eos_token_ids
-        ):
+        if token in req.stop_ids:
             return FinishReason(FinishKind.STOP, matched_token=token)
         if len(req.output_ids) + new_tokens >= sampling.max_new_tokens:
             return FinishReason(FinishKind.LENGTH)

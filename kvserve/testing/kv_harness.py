@@ -140,7 +140,7 @@ class KVHarness:
 
     def decode(self, req: FakeReq) -> bool:
         """One decode step: a slot for the last sampled token, commit, sample the next."""
-        if alloc_for_decode([req], self.cache):
+        if alloc_for_decode([req], self.cache).failed:
             return False
         commit_kv(req, 1)
         req.output_ids.append(next(self._next_token))

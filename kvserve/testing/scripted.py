@@ -35,7 +35,7 @@ from kvserve.sched.scheduler import (
 from kvserve.sched.state import ReqState
 
 VOCAB_LO, VOCAB_HI = 100, 30_000
-_MOD = 1_000_003
+_MOD = 65_521  # keeps every hash below 2**53, so float64 sums are exact
 _POISON = -1.0
 
 
@@ -141,15 +141,13 @@ class ScriptedModel:
         """Hash of every (token, position) the rows point at, for the whole batch."""
         if rows.numel() == 0:
             return []
-        kbuf = self.pools.kv_buffer.get_kv_buffer(0)[0]  # type: ignore[union-attr]
+        flat = self.pools.kv_buffer.get_kv_buffer(0)[0].view(-1, 2)  # type: ignore[union-attr]
         length = int(seq_lens.max())
         table = self.pools.req_to_token_pool.req_to_token
-        slots = table[rows.long(), :length].long()
-        mask = torch.arange(length)[None, :] < seq_lens.long()[:, None]
-        toks = kbuf[slots, 0, 0].to(torch.int64)
-        pos = kbuf[slots, 0, 1].to(torch.int64)
-        a = (toks % _MOD) * 31 + pos
-        hashes = ((a * self._weights[:length]) * mask).sum(dim=1).tolist()
+        values = flat[table[rows.long(), :length].long()]  # [batch, length, 2]
+        a = torch.remainder(values[..., 0], _MOD) * 31 + values[..., 1]
+        a *= torch.arange(length)[None, :] < seq_lens.long()[:, None]
+        hashes = (a @ self._weights[:length].to(torch.float64)).tolist()
         return [self._next_from_hash(int(h)) for h in hashes]
 
     def _poison(self, page_ids: Sequence[int]) -> None:

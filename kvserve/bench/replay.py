@@ -1,0 +1,194 @@
+"""W2: the whole scheduler with the scripted model, on a trace or in steady decode.
+
+``replay_trace``: a Mooncake trace turned into requests (prompts as W1 with
+``block`` tokens per hash id; output ``max(1, ceil(output_length / 8))``
+tokens), one scheduler step per second of trace time, requests arriving at the
+step their timestamp falls in. Engine as ``shared/bench/README.md`` fixes it:
+page 16, 131,072-token pool, 512 running requests, chunked prefill 4096, 16,384
+prefill tokens per step, radix cache, ``lpm``; the checker runs strict after
+every step and its time is reported apart from the scheduler's.
+
+``decode_steady``: ``batch`` requests with 512-token prompts held in decode;
+scheduler time per decode step without the model call and the checker, with an
+empty tree or with extra tokens cached.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvserve.bench.workloads import MOONCAKE_BLOCK_TOKENS
+from kvserve.sched.invariants import InvariantViolation
+from kvserve.testing.scripted import ScriptedEngine
+
+
+@dataclass
+class TraceRequest:
+    arrival_step: int
+    prompt_ids: list[int]
+    max_new_tokens: int
+
+
+def load_trace_requests(path: str | Path, block: int = 16, limit: int = 0) -> list[TraceRequest]:
+    """Requests of a Mooncake trace; ValueError naming the line for a malformed row."""
+    out: list[TraceRequest] = []
+    with open(path) as f:
+        for line_no, line in enumerate(f, 1):
+            if limit and len(out) >= limit:
+                break
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+                length = -(-int(row["input_length"]) * block // MOONCAKE_BLOCK_TOKENS)
+                tokens: list[int] = []
+                for h in row["hash_ids"]:
+                    tokens.extend(range(int(h) * block, int(h) * block + block))
+                out.append(TraceRequest(
+                    arrival_step=int(row["timestamp"]) // 1000,
+                    prompt_ids=tokens[:length],
+                    max_new_tokens=max(1, -(-int(row["output_length"]) // 8)),
+                ))
+            except (ValueError, KeyError, TypeError) as err:
+                raise ValueError(f"{path}:{line_no}: not a Mooncake trace row ({err})") from err
+    return out
+
+
+def w2_engine(strict: bool = True, num_tokens: int = 131_072, context_len: int = 8192,
+              max_running: int = 512) -> ScriptedEngine:
+    return ScriptedEngine(
+        page_size=16, num_tokens=num_tokens, num_rows=max_running, context_len=context_len,
+        max_running_requests=max_running, chunked_prefill_size=4096, max_prefill_tokens=16_384,
+        schedule_policy="lpm", strict_checks=strict,
+    )
+
+
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    if not ordered:
+        return float("nan")
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+@dataclass
+class ReplayResult:
+    requests: int
+    steps: int
+    hit_ratio: float
+    retractions: int
+    aborts: int
+    checker_runs: int
+    violations: int
+    sched_us_p50: float
+    sched_us_p99: float
+    checker_us_p50: float
+    peak_running: int
+
+    def line(self) -> str:
+        return (
+            f"requests={self.requests} steps={self.steps} hit_ratio={self.hit_ratio:.4f} "
+            f"retractions={self.retractions} aborts={self.aborts} "
+            f"checker_runs={self.checker_runs} violations={self.violations} "
+            f"sched_us_per_step_p50={self.sched_us_p50:.1f} "
+            f"sched_us_per_step_p99={self.sched_us_p99:.1f} "
+            f"checker_us_per_step_p50={self.checker_us_p50:.1f} peak_running={self.peak_running}"
+        )
+
+
+def replay_trace(requests: list[TraceRequest], progress: bool = True,
+                 max_drain_steps: int = 1_000_000) -> ReplayResult:
+    """Run W2; the checker is strict, so a violation stops the replay with its report."""
+    from tqdm import tqdm
+
+    engine = w2_engine(strict=True)
+    sched = engine.scheduler
+    pending = sorted(requests, key=lambda r: r.arrival_step)
+    bar = tqdm(total=len(pending), unit="req", disable=not progress, mininterval=1.0)
+    step = violations = 0
+    peak = 0
+    index = 0
+    try:
+        while index < len(pending) or not sched.is_idle:
+            while index < len(pending) and pending[index].arrival_step <= step:
+                r = pending[index]
+                engine.add(r.prompt_ids, max_new_tokens=r.max_new_tokens, ignore_eos=True)
+                index += 1
+            finished_before = sched.stats.finished
+            sched.step()
+            bar.update(sched.stats.finished - finished_before)
+            peak = max(peak, len(sched.running))
+            step += 1
+            if step > pending[-1].arrival_step + max_drain_steps:
+                break
+    except InvariantViolation as err:
+        violations = len(err.report.violations)
+        raise
+    finally:
+        bar.close()
+    stats = sched.stats
+    sched_us = [s * 1e6 for s in stats.sched_seconds]
+    checker_us = [s * 1e6 for s in stats.checker_seconds]
+    return ReplayResult(
+        requests=len(pending), steps=stats.steps,
+        hit_ratio=stats.cached_tokens / max(stats.prompt_tokens, 1),
+        retractions=stats.retractions, aborts=stats.aborts, checker_runs=sched.checker.runs,
+        violations=violations + sched.checker.total_violations,
+        sched_us_p50=statistics.median(sched_us), sched_us_p99=_percentile(sched_us, 0.99),
+        checker_us_p50=statistics.median(checker_us), peak_running=peak,
+    )
+
+
+@dataclass
+class SteadyResult:
+    batch: int
+    cached_tokens: int
+    p50_us: float
+    p99_us: float
+
+    def line(self) -> str:
+        return (f"batch={self.batch} cached_tokens={self.cached_tokens} "
+                f"sched_us_per_decode_step_p50={self.p50_us:.1f} "
+                f"sched_us_per_decode_step_p99={self.p99_us:.1f}")
+
+
+def decode_steady(batch: int = 256, prompt_len: int = 512, cached_tokens: int = 0,
+                  warmup_steps: int = 20, steps: int = 200, seed: int = 0) -> SteadyResult:
+    """Scheduler microseconds per decode step (model call and checker excluded)."""
+    rng = random.Random(seed)
+    page = 16
+    pool = batch * (prompt_len + warmup_steps + steps + 2 * page) + cached_tokens + 64 * page
+    engine = ScriptedEngine(page_size=page, num_tokens=pool, num_rows=batch,
+                            context_len=prompt_len + warmup_steps + steps + 64,
+                            max_running_requests=batch, chunked_prefill_size=4096,
+                            max_prefill_tokens=16_384, strict_checks=False)
+    cache, alloc = engine.tree_cache, engine.pools.allocator
+    filled = 0
+    while filled < cached_tokens:  # unrelated cached sequences of 1,024 tokens
+        n = min(1024, cached_tokens - filled)
+        n -= n % page
+        if n <= 0:
+            break
+        pages = alloc.alloc(n)
+        assert pages is not None
+        cache.insert([rng.randrange(40_000, 90_000) for _ in range(n)], pages)
+        filled += n
+    for _ in range(batch):
+        engine.add([rng.randrange(1000, 30_000) for _ in range(prompt_len)],
+                   max_new_tokens=warmup_steps + steps + 16, ignore_eos=True)
+    sched = engine.scheduler
+    while sched.waiting or sched.chunked_req is not None:
+        sched.step()
+    for _ in range(warmup_steps):
+        sched.step()
+    start = len(sched.stats.sched_seconds)
+    for _ in range(steps):
+        sched.step()
+    assert len(sched.running) == batch and all(sched.stats.decode_step[start:])
+    us = [s * 1e6 for s in sched.stats.sched_seconds[start:]]
+    engine.scheduler.checker.check(sched.reqs.values(), full=True)
+    return SteadyResult(batch, cache.evictable_size(), statistics.median(us),
+                        _percentile(us, 0.99))
