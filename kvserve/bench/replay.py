@@ -11,6 +11,9 @@ every step and its time is reported apart from the scheduler's.
 ``decode_steady``: ``batch`` requests with 512-token prompts held in decode;
 scheduler time per decode step without the model call and the checker, with an
 empty tree or with extra tokens cached.
+
+Both run torch single-threaded: the scripted model's small tensor ops gain
+nothing from intra-op threads on a 2-core machine and lose a lot to contention.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ import random
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
+
+import torch
 
 from kvserve.bench.workloads import MOONCAKE_BLOCK_TOKENS
 from kvserve.sched.invariants import InvariantViolation
@@ -104,6 +109,7 @@ def replay_trace(requests: list[TraceRequest], progress: bool = True,
     """Run W2; the checker is strict, so a violation stops the replay with its report."""
     from tqdm import tqdm
 
+    torch.set_num_threads(1)
     engine = w2_engine(strict=True)
     sched = engine.scheduler
     pending = sorted(requests, key=lambda r: r.arrival_step)
@@ -158,6 +164,7 @@ class SteadyResult:
 def decode_steady(batch: int = 256, prompt_len: int = 512, cached_tokens: int = 0,
                   warmup_steps: int = 20, steps: int = 200, seed: int = 0) -> SteadyResult:
     """Scheduler microseconds per decode step (model call and checker excluded)."""
+    torch.set_num_threads(1)
     rng = random.Random(seed)
     page = 16
     pool = batch * (prompt_len + warmup_steps + steps + 2 * page) + cached_tokens + 64 * page

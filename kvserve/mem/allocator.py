@@ -173,6 +173,10 @@ class TokenToKVPoolAllocator:
     def is_free(self, page_id: int) -> bool:
         return self._state[page_id] == FREE
 
+    def state_bytes(self) -> bytes:
+        """The page-state byte map (``USED``/``FREE``/``RESERVED``/``PENDING`` per page id)."""
+        return bytes(self._state)
+
     def state_counts(self) -> dict[str, int]:
         """Number of pages per state, from the byte map (page 0 included as reserved)."""
         return {name: self._state.count(code) for code, name in _STATE_NAMES.items()}

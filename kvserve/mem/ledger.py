@@ -20,23 +20,29 @@ class Conflict(NamedTuple):
 
 
 class PageLedger:
-    """Records one owner per page id ``0..num_pages``; a second claim is a conflict."""
+    """Records one owner per page id ``0..num_pages``; a second claim is a conflict.
+
+    Each claim also says which allocator state its pages must be in (a byte, as in
+    ``TokenToKVPoolAllocator``); ``expected_states`` collects them for one comparison.
+    """
 
     def __init__(self, num_pages: int) -> None:
         self.num_pages = num_pages
         self._owner: list[str | None] = [None] * (num_pages + 1)
+        self.expected_states = bytearray(num_pages + 1)
         self.conflicts: list[Conflict] = []
         self.out_of_range: list[tuple[int, str]] = []
 
-    def claim(self, page_ids: Iterable[int], owner: str) -> None:
-        owners = self._owner
+    def claim(self, page_ids: Iterable[int], owner: str, state: int = 0) -> None:
+        owners, states, last = self._owner, self.expected_states, self.num_pages
         for page in page_ids:
-            if not 0 <= page <= self.num_pages:
+            if not 0 <= page <= last:
                 self.out_of_range.append((page, owner))
                 continue
             held = owners[page]
             if held is None:
                 owners[page] = owner
+                states[page] = state
             else:
                 self.conflicts.append(Conflict(page, held, owner))
 

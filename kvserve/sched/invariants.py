@@ -27,7 +27,8 @@ import torch
 from kvserve.cache.base import BasePrefixCache
 from kvserve.kv import ReqKV
 from kvserve.mem.ledger import PageLedger
-from kvserve.mem.pages import num_pages, slot_ids
+from kvserve.mem.allocator import FREE, PENDING, RESERVED, USED
+from kvserve.mem.pages import num_pages
 from kvserve.sched.state import LEGAL_HOLDINGS, ReqState
 
 
@@ -210,15 +211,15 @@ class InvariantChecker:
         alloc = self.pools.allocator
         page_size = alloc.page_size
         ledger = PageLedger(alloc.num_pages)
-        ledger.claim([0], "reserved")
-        ledger.claim(alloc.free_page_ids(), "free")
+        ledger.claim([0], "reserved", RESERVED)
+        ledger.claim(alloc.free_page_ids(), "free", FREE)
         for batch, deferred in alloc.deferred_batches().items():
-            ledger.claim(deferred, f"pending:{batch}")
-        ledger.claim(self.tree_cache.cached_page_ids(), "tree")
+            ledger.claim(deferred, f"pending:{batch}", PENDING)
+        ledger.claim(self.tree_cache.cached_page_ids(), "tree", USED)
         for req in reqs:
-            ledger.claim(req.kv.owned_page_ids(page_size), f"req:{req.rid}")
+            ledger.claim(req.kv.owned_page_ids(page_size), f"req:{req.rid}", USED)
         for name, pages in held.items():
-            ledger.claim(pages, f"held:{name}")
+            ledger.claim(pages, f"held:{name}", USED)
         for page, first, second in ledger.conflicts[:20]:
             report.violations.append(f"page {page} owned by both {first} and {second}")
         if len(ledger.conflicts) > 20:
@@ -228,26 +229,24 @@ class InvariantChecker:
         leaked = ledger.unowned()
         if leaked:
             report.violations.append(f"{len(leaked)} pages have no owner (leaked): {leaked[:20]}")
-        expect = {"free": "free", "pending:": "pending release", "tree": "used", "req:": "used",
-                  "held:": "used"}
-        for page in range(1, alloc.num_pages + 1):
-            owner = ledger.owner(page)
-            if owner is None:
-                continue
-            want = next(code for prefix, code in expect.items() if owner.startswith(prefix))
-            found = alloc.page_state(page)
-            if found != want:
-                report.violations.append(
-                    f"page {page} owned by {owner} but the allocator marks it {found}"
-                )
+        states = alloc.state_bytes()
+        if states != ledger.expected_states:
+            for page in range(1, alloc.num_pages + 1):
+                owner = ledger.owner(page)
+                if owner is not None and states[page] != ledger.expected_states[page]:
+                    report.violations.append(
+                        f"page {page} owned by {owner} but the allocator marks it "
+                        f"{alloc.page_state(page)}"
+                    )
 
     def _check_row_contents(self, reqs: list[TrackedReq], report: CheckReport) -> None:
         """Every live row entry below allocated_len points at the page the request owns
         or has locked, at the right offset."""
         pool, page_size = self.pools.req_to_token_pool, self.pools.page_size
+        offsets = torch.arange(page_size, dtype=torch.int32)
         for req in reqs:
             kv = req.kv
-            if kv.row is None:
+            if kv.row is None or kv.allocated_len == 0:
                 continue
             if kv.lock is not None:
                 locked = self.tree_cache.lock_page_ids(kv.lock)
@@ -255,7 +254,8 @@ class InvariantChecker:
                     report.violations.append(
                         f"request {req.rid}: prefix pages differ from the pages its lock protects"
                     )
-            want = slot_ids(kv.page_ids, page_size, 0, kv.allocated_len)
+            pages = torch.tensor(kv.page_ids, dtype=torch.int32)
+            want = (pages[:, None] * page_size + offsets).flatten()[: kv.allocated_len]
             have = pool.req_to_token[kv.row, : kv.allocated_len].cpu()
             if not torch.equal(want, have):
                 bad = int((want != have).nonzero()[0, 0])

@@ -46,7 +46,7 @@ def _weights(n: int) -> torch.Tensor:
 
 class ScriptedModel:
     """Deterministic fake model over a real KV pool (1 layer, 1 head, 2 float64 values
-    per slot: token id and position).
+    per slot: the token id modulo 65,521 and the position; freed slots read -1).
 
     Args:
         pools: the engine's pools; ``pools.kv_buffer`` is created if absent.
@@ -134,7 +134,7 @@ class ScriptedModel:
     def _write(self, slots: torch.Tensor, token_ids: torch.Tensor, positions: torch.Tensor) -> None:
         kbuf = self.pools.kv_buffer.get_kv_buffer(0)[0]  # type: ignore[union-attr]
         idx = slots.long()
-        kbuf[idx, 0, 0] = token_ids.to(torch.float64)
+        kbuf[idx, 0, 0] = torch.remainder(token_ids.to(torch.int64), _MOD).to(torch.float64)
         kbuf[idx, 0, 1] = positions.to(torch.float64)
 
     def _next_tokens(self, rows: torch.Tensor, seq_lens: torch.Tensor) -> list[int]:
@@ -145,7 +145,7 @@ class ScriptedModel:
         length = int(seq_lens.max())
         table = self.pools.req_to_token_pool.req_to_token
         values = flat[table[rows.long(), :length].long()]  # [batch, length, 2]
-        a = torch.remainder(values[..., 0], _MOD) * 31 + values[..., 1]
+        a = values[..., 0] * 31 + values[..., 1]
         a *= torch.arange(length)[None, :] < seq_lens.long()[:, None]
         hashes = (a @ self._weights[:length].to(torch.float64)).tolist()
         return [self._next_from_hash(int(h)) for h in hashes]

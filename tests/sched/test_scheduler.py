@@ -195,3 +195,26 @@ def test_run_until_idle_reports_stuck_engine():
     e.restore_pool()
     e.run_until_idle()
     e.assert_idle_and_full()
+
+
+def test_eos_from_the_model_stops_requests_exactly_where_the_reference_does():
+    e = ScriptedEngine(page_size=4, num_tokens=4096, eos_prob=0.2)
+    prompts = [[i + 1] * 6 + list(range(30, 40)) for i in range(8)]
+    hs = [e.add(p, max_new_tokens=40) for p in prompts]
+    e.run_until_idle()
+    stopped = [h for h in hs if h.finished_reason.kind is FinishKind.STOP]
+    assert stopped  # with p=0.2 over up to 40 tokens, some requests hit EOS
+    for h, p in zip(hs, prompts, strict=True):
+        assert h.output_ids == e.reference(p, 40)
+        if h.finished_reason.kind is FinishKind.STOP:
+            assert h.output_ids[-1] == 2 and h.finished_reason.matched_token == 2
+    e.assert_idle_and_full()
+
+
+def test_non_strict_checker_runs_once_at_idle():
+    e = ScriptedEngine(page_size=1, num_tokens=256, strict_checks=False)
+    e.add([1, 2, 3], max_new_tokens=3)
+    e.run_until_idle()
+    e.step()  # idle again: no second check
+    assert e.scheduler.checker.runs == 1
+    assert e.scheduler.last_report is not None and e.scheduler.last_report.ok
