@@ -26,8 +26,8 @@ import torch
 
 from kvserve.cache.base import BasePrefixCache
 from kvserve.kv import ReqKV
-from kvserve.mem.ledger import PageLedger
 from kvserve.mem.allocator import FREE, PENDING, RESERVED, USED
+from kvserve.mem.ledger import PageLedger
 from kvserve.mem.pages import num_pages
 from kvserve.sched.state import LEGAL_HOLDINGS, ReqState
 
