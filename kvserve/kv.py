@@ -135,8 +135,8 @@ def alloc_for_extend(req: KVOwner, tree_cache: BasePrefixCache, extend_len: int)
     short even after evicting from ``tree_cache``.
     """
     kv, pools = req.kv, tree_cache.pools
-    if extend_len < 0:
-        raise KVAllocError(f"extend_len must be >= 0, got {extend_len}")
+    if extend_len < 1:
+        raise KVAllocError(f"extend_len must be >= 1, got {extend_len}")
     if kv.holds_row:
         return _grow(kv, tree_cache, kv.committed_len + extend_len)
     if kv.holds_kv:
@@ -174,6 +174,9 @@ def alloc_for_decode(reqs: Sequence[KVOwner], tree_cache: BasePrefixCache) -> De
     the row entries of the whole batch written in one indexed copy, and the slots
     returned as the batch's ``out_cache_loc`` (requests that failed left out).
     """
+    for req in reqs:  # refuse the whole batch before changing anything
+        if req.kv.row is None:
+            raise KVAllocError(f"decode of request {req.rid} without a row")
     pools = tree_cache.pools
     page_size = pools.page_size
     width = pools.req_to_token_pool.row_width
@@ -187,16 +190,17 @@ def alloc_for_decode(reqs: Sequence[KVOwner], tree_cache: BasePrefixCache) -> De
         pos = kv.committed_len
         page_ids = kv.page_ids
         if pos >= kv.allocated_len:
-            if kv.row is None:
-                raise KVAllocError(f"decode of request {req.rid} without a row")
+            if pos >= width:
+                failed.append(req)
+                continue
             if pos >= len(page_ids) * page_size:
-                pages = _take_pages(tree_cache, 1) if pos < width else None
+                pages = _take_pages(tree_cache, 1)
                 if pages is None:
                     failed.append(req)
                     continue
                 page_ids.append(pages[0])
             slot = page_ids[pos // page_size] * page_size + pos % page_size
-            rows.append(kv.row)
+            rows.append(kv.row)  # type: ignore[arg-type]  # checked above
             cols.append(pos)
             new_slots.append(slot)
             kv.allocated_len = pos + 1
@@ -277,6 +281,10 @@ def release_kv_cache(req: KVOwner, tree_cache: BasePrefixCache, insert: bool) ->
     if not kv.holds_anything:
         return
     pools = tree_cache.pools
+    if kv.mamba_slots:  # checked first, so an error leaves the record whole
+        if pools.mamba_pool is None:
+            raise KVAllocError(f"request {req.rid} holds Mamba slots but there is no Mamba pool")
+        pools.mamba_pool.check_held(kv.mamba_slots)
     with pools.allocator.free_group():
         if kv.holds_kv and insert:
             tree_cache.cache_finished_req(req)
@@ -286,8 +294,6 @@ def release_kv_cache(req: KVOwner, tree_cache: BasePrefixCache, insert: bool) ->
                 tree_cache.dec_lock_ref(kv.lock)
     if kv.row is not None:
         pools.req_to_token_pool.free(kv.row)
-    if kv.mamba_slots:
-        if pools.mamba_pool is None:
-            raise KVAllocError(f"request {req.rid} holds Mamba slots but there is no Mamba pool")
+    if kv.mamba_slots and pools.mamba_pool is not None:
         pools.mamba_pool.free(kv.mamba_slots)
     kv._clear()

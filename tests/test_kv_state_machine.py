@@ -93,7 +93,7 @@ class KVLayerMachine(RuleBasedStateMachine):
             return
         if deferred:  # an in-flight batch may still read these pages
             self.batch += 1
-            with self.h.pools.allocator.deferring(self.batch):
+            with self.h.cache.deferring(self.batch):
                 self.h.finish(req, insert=insert)
             self.deferred.append(self.batch)
         else:
@@ -104,7 +104,7 @@ class KVLayerMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.deferred)
     @rule()
     def batch_results_processed(self):
-        self.h.pools.allocator.release_deferred(self.deferred.pop(0))
+        self.h.cache.release_deferred(self.deferred.pop(0))
 
     # -- memory pressure ----------------------------------------------------------------
     @precondition(lambda self: self.h.cache.evictable_size())
@@ -140,7 +140,7 @@ class KVLayerMachine(RuleBasedStateMachine):
         for req in list(self.h.live.values()):
             self.h.finish(req, insert=False)
         for batch in self.deferred:
-            self.h.pools.allocator.release_deferred(batch)
+            self.h.cache.release_deferred(batch)
         for pages in self.h.held_pages.values():
             self.h.pools.allocator.free(pages)
         self.h.held_pages.clear()

@@ -5,6 +5,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from array import array
 from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any, NamedTuple
 
 from kvserve.kv import KVOwner
@@ -43,11 +44,56 @@ class BasePrefixCache(ABC):
     and frees them through ``pools.allocator`` when it evicts.
     """
 
-    pools: MemoryPools
+    def __init__(self, pools: MemoryPools) -> None:
+        self.pools = pools
+        self._defer_batch: int | None = None
+        self._deferred_locks: dict[int, list[PrefixLock]] = {}
 
     @property
     def page_size(self) -> int:
         return self.pools.allocator.page_size
+
+    # -- rule 7: nothing an in-flight batch may read is freed before its results ----
+    @contextmanager
+    def deferring(self, batch_id: int) -> Iterator[None]:
+        """Releases inside the block wait for ``release_deferred(batch_id)``: freed
+        pages go to the allocator's deferred queue, unlocks are held back, and pages a
+        finishing request hands to the cache stay locked until then."""
+        outer, self._defer_batch = self._defer_batch, batch_id
+        try:
+            with self.pools.allocator.deferring(batch_id):
+                yield
+        finally:
+            self._defer_batch = outer
+
+    def release_deferred(self, batch_id: int) -> None:
+        """The batch's results are processed: apply its held-back unlocks and frees."""
+        for lock in self._deferred_locks.pop(batch_id, []):
+            self._unlock(lock)
+        self.pools.allocator.release_deferred(batch_id)
+
+    def deferred_locks(self) -> list[PrefixLock]:
+        """Locks held for in-flight batches (receipts the checker counts)."""
+        return [lock for locks in self._deferred_locks.values() for lock in locks]
+
+    def _hold_for_batch(self, lock: PrefixLock | None) -> None:
+        if lock is not None and self._defer_batch is not None:
+            self._deferred_locks.setdefault(self._defer_batch, []).append(lock)
+
+    def dec_lock_ref(self, lock: PrefixLock) -> None:
+        """Undo one ``inc_lock_ref`` (held back while deferring). Raises LockRefError when
+        the node is not locked."""
+        if self._defer_batch is not None:
+            self._check_locked(lock)
+            self._hold_for_batch(lock)
+        else:
+            self._unlock(lock)
+
+    def _check_locked(self, lock: PrefixLock) -> None:
+        return None
+
+    def _unlock(self, lock: PrefixLock) -> None:
+        raise LockRefError(f"{type(self).__name__} hands out no locks")
 
     @abstractmethod
     def match_prefix(self, token_ids: Sequence[int], extra_key: str | None = None) -> MatchResult:
@@ -75,10 +121,6 @@ class BasePrefixCache(ABC):
     @abstractmethod
     def inc_lock_ref(self, node: Any) -> PrefixLock | None:
         """Protect the path ending at ``node`` from eviction; None for an empty prefix."""
-
-    @abstractmethod
-    def dec_lock_ref(self, lock: PrefixLock) -> None:
-        """Undo one ``inc_lock_ref``. Raises LockRefError when the node is not locked."""
 
     @abstractmethod
     def lock_page_ids(self, lock: PrefixLock) -> list[int]:

@@ -18,7 +18,7 @@ class ChunkCache(BasePrefixCache):
     """
 
     def __init__(self, pools: MemoryPools) -> None:
-        self.pools = pools
+        super().__init__(pools)
 
     def match_prefix(self, token_ids: Sequence[int], extra_key: str | None = None) -> MatchResult:
         return MatchResult(array("i"), 0, None)
@@ -36,9 +36,6 @@ class ChunkCache(BasePrefixCache):
 
     def inc_lock_ref(self, node: object) -> PrefixLock | None:
         return None
-
-    def dec_lock_ref(self, lock: PrefixLock) -> None:
-        raise ValueError("ChunkCache hands out no locks")
 
     def lock_page_ids(self, lock: PrefixLock) -> list[int]:
         return []

@@ -80,7 +80,7 @@ class RadixCache(BasePrefixCache):
     """Page-granular radix tree with LRU leaf eviction. Sizes in tokens."""
 
     def __init__(self, pools: MemoryPools) -> None:
-        self.pools = pools
+        super().__init__(pools)
         self._page_bytes = pools.page_size * _TOKEN_BYTES
         self.stats = EvictStats()
         self.reset()
@@ -158,10 +158,12 @@ class RadixCache(BasePrefixCache):
         root = self._roots.get(extra_key)
         if root is None:
             root = self._roots[extra_key] = TreeNode(b"", array("i"), None, self._next_uid())
+            self._namespaces[root.uid] = extra_key
         node, offset, _ = self._walk(root, key)
         if offset < len(key):
-            leaf = TreeNode(key[offset:], array("i", page_ids[offset // pb : len(key) // pb]), node,
-                            self._next_uid())
+            new_pages = array("i", page_ids[offset // pb : len(key) // pb])
+            self.pools.allocator.check_used(new_pages)  # the cache takes owned pages only
+            leaf = TreeNode(key[offset:], new_pages, node, self._next_uid())
             leaf.last_access = self._clock
             node.children[key[offset : offset + pb]] = leaf
             self._evictable_pages += len(leaf.page_ids)
@@ -173,11 +175,12 @@ class RadixCache(BasePrefixCache):
     def cache_unfinished_req(self, req: KVOwner) -> None:
         kv, pools = req.kv, self.pools
         page_size = pools.page_size
-        full_pages = kv.committed_len // page_size
+        fill = req.fill_ids
+        full_pages = min(kv.committed_len, len(fill)) // page_size
         protected_pages = kv.protected_len // page_size
         if full_pages <= protected_pages:
             return
-        result = self.insert(req.fill_ids[: full_pages * page_size], kv.page_ids, req.extra_key)
+        result = self.insert(fill[: full_pages * page_size], kv.page_ids, req.extra_key)
         canonical = self._path_page_ids(result.last_node)
         before = max(result.prefix_len // page_size, protected_pages)
         # [protected, before): ours duplicate the cache's pages; point the row at the cache's.
@@ -192,12 +195,19 @@ class RadixCache(BasePrefixCache):
 
     def cache_finished_req(self, req: KVOwner) -> None:
         kv, page_size = req.kv, self.pools.page_size
-        full_pages = kv.committed_len // page_size
+        fill = req.fill_ids
+        # Only tokens whose ids are known can be keyed: fill_ids may be shorter than
+        # committed_len if a caller trimmed tokens; those pages are freed, not leaked.
+        full_pages = min(kv.committed_len, len(fill)) // page_size
         protected_pages = kv.protected_len // page_size
         before = inserted = protected_pages
         if full_pages > protected_pages:
-            result = self.insert(req.fill_ids[: full_pages * page_size], kv.page_ids, req.extra_key)
+            result = self.insert(fill[: full_pages * page_size], kv.page_ids, req.extra_key)
             before, inserted = result.prefix_len // page_size, full_pages
+            # An in-flight batch may still read the pages just handed over: keep them
+            # locked until its results are processed.
+            if self._defer_batch is not None:
+                self._hold_for_batch(self.inc_lock_ref(result.last_node))
         self.pools.allocator.free(
             duplicate_and_tail_pages(kv.page_ids, protected_pages, before, inserted)
         )
@@ -219,11 +229,13 @@ class RadixCache(BasePrefixCache):
             n = n.parent
         return PrefixLock(node, num_pages * self.pools.page_size)
 
-    def dec_lock_ref(self, lock: PrefixLock) -> None:
-        node: TreeNode = lock.node
-        if node.lock_ref <= 0:
-            raise LockRefError(f"dec_lock_ref on unlocked {node!r}")
-        n: TreeNode | None = node
+    def _check_locked(self, lock: PrefixLock) -> None:
+        if lock.node.lock_ref <= 0:
+            raise LockRefError(f"dec_lock_ref on unlocked {lock.node!r}")
+
+    def _unlock(self, lock: PrefixLock) -> None:
+        self._check_locked(lock)
+        n: TreeNode | None = lock.node
         while n is not None and n.parent is not None:
             n.lock_ref -= 1
             if n.lock_ref == 0:
@@ -279,7 +291,10 @@ class RadixCache(BasePrefixCache):
             stats.evicted_leaves += 1
             if parent.parent is not None and not parent.children and not parent.lock_ref:
                 self._push(parent)
-        self.pools.allocator.free(freed)
+            elif parent.parent is None and not parent.children and parent.uid in self._namespaces:
+                del self._roots[self._namespaces.pop(parent.uid)]  # an emptied extra_key tree
+        # No batch reads unlocked cache pages, and the caller is waiting for them.
+        self.pools.allocator.free(freed, immediate=True)
         return len(freed) * page_size
 
     # -- sizes --------------------------------------------------------------------
@@ -293,10 +308,14 @@ class RadixCache(BasePrefixCache):
         if getattr(self, "_protected_pages", 0):
             raise LockRefError("reset() while requests hold prefix locks")
         if hasattr(self, "_roots"):
-            self.pools.allocator.free(list(self.cached_page_ids()))
+            self.pools.allocator.free(list(self.cached_page_ids()), immediate=True)
+            for node in list(self._nodes()):  # a stale match result can lock nothing now
+                node.parent = None
+                node.children = {}
         self._uid = 0
         self._clock = 0
         self._roots: dict[str | None, TreeNode] = {None: TreeNode(b"", array("i"), None, 0)}
+        self._namespaces: dict[int, str | None] = {}  # root uid -> extra_key (not the default)
         self._heap: list[tuple[int, int, TreeNode]] = []
         self._evictable_pages = 0
         self._protected_pages = 0
@@ -322,12 +341,21 @@ class RadixCache(BasePrefixCache):
 
     def lock_path_counts(self, locks: Sequence[PrefixLock]) -> list[str]:
         expected: dict[int, int] = {}
+        roots = {id(root) for root in self._roots.values()}
+        problems = []
         for lock in locks:
-            n: TreeNode | None = lock.node
-            while n is not None and n.parent is not None:
+            n: TreeNode = lock.node
+            num_pages = 0
+            while n.parent is not None:
                 expected[n.uid] = expected.get(n.uid, 0) + 1
+                num_pages += len(n.page_ids)
                 n = n.parent
-        return [
+            if id(n) not in roots:
+                problems.append(f"lock on node {lock.node.uid} whose path left the tree")
+            elif num_pages * self.pools.page_size != lock.prefix_len:
+                problems.append(f"lock on node {lock.node.uid} protects {num_pages} pages, its "
+                                f"receipt says {lock.prefix_len} tokens")
+        return problems + [
             f"node {node.uid}: lock_ref={node.lock_ref} but {expected.get(node.uid, 0)} "
             "receipts lock it"
             for node in self._nodes()

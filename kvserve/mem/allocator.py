@@ -101,17 +101,19 @@ class TokenToKVPoolAllocator:
         return self.alloc_pages(pages_for(seq_len + extend_len, p) - pages_for(seq_len, p))
 
     # -- release ------------------------------------------------------------------
-    def free(self, page_ids: Sequence[int]) -> None:
+    def free(self, page_ids: Sequence[int], immediate: bool = False) -> None:
         """Return pages (whole pages, by page id). Raises DoubleFreeError.
 
         Inside ``deferring(batch_id)`` the pages go to that batch's deferred queue
         instead; inside ``free_group()`` they are applied when the group ends.
+        ``immediate`` skips both: for pages no batch can be reading (evicted cache
+        pages), which an allocation waiting on the eviction needs at once.
         """
         if not page_ids:
             return
-        if self._defer_batch is not None:
+        if self._defer_batch is not None and not immediate:
             self.defer_free(self._defer_batch, page_ids)
-        elif self._group is not None:
+        elif self._group is not None and not immediate:
             self._group.extend(page_ids)
         else:
             self._mark(page_ids, USED, FREE)
@@ -172,6 +174,14 @@ class TokenToKVPoolAllocator:
 
     def is_free(self, page_id: int) -> bool:
         return self._state[page_id] == FREE
+
+    def check_used(self, page_ids: Sequence[int]) -> None:
+        """Raise PoolError unless every page is allocated (not free, reserved or pending)."""
+        state, last = self._state, self.num_pages
+        for page in page_ids:
+            if not 0 < page <= last or state[page] != USED:
+                found = _STATE_NAMES[state[page]] if 0 <= page <= last else "outside the pool"
+                raise PoolError(f"page {page} is {found}, not an allocated page")
 
     def state_bytes(self) -> bytes:
         """The page-state byte map (``USED``/``FREE``/``RESERVED``/``PENDING`` per page id)."""

@@ -52,8 +52,8 @@ class MambaPool:
             self._is_free[slot] = 0
         return taken
 
-    def free(self, slots: Sequence[int]) -> None:
-        """Return slots. Raises DoubleFreeError (nothing freed) on a free slot."""
+    def check_held(self, slots: Sequence[int]) -> None:
+        """Raise DoubleFreeError / PoolError unless every slot is allocated, once."""
         if len(set(slots)) != len(slots):
             raise DoubleFreeError(f"slots {list(slots)} contain a repeat")
         for slot in slots:
@@ -61,6 +61,10 @@ class MambaPool:
                 raise PoolError(f"mamba slot {slot} outside 1..{self.size}")
             if self._is_free[slot]:
                 raise DoubleFreeError(f"mamba slot {slot} freed while free")
+
+    def free(self, slots: Sequence[int]) -> None:
+        """Return slots. Raises DoubleFreeError (nothing freed) on a free slot."""
+        self.check_held(slots)
         for slot in slots:
             self._is_free[slot] = 1
         self._free_slots.extend(slots)

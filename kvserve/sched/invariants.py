@@ -97,16 +97,17 @@ class InvariantChecker:
         held = dict(held_pages or {})
         full = self.strict if full is None else full
         report = CheckReport()
-        self._check_requests(reqs, report)
+        malformed = self._check_requests(reqs, report)
         self._check_kv_equation(reqs, held, report)
         self._check_rows(reqs, report)
         self._check_mamba(reqs, report)
         report.violations += self.tree_cache.verify()
         if full:
             locks = [r.kv.lock for r in reqs if r.kv.lock is not None]
+            locks += self.tree_cache.deferred_locks()
             report.violations += self.tree_cache.lock_path_counts(locks)
             self._walk_pages(reqs, held, report)
-            self._check_row_contents(reqs, report)
+            self._check_row_contents([r for r in reqs if r.rid not in malformed], report)
         report.seconds = time.perf_counter() - start
         self.runs += 1
         self.total_violations += len(report.violations)
@@ -116,10 +117,12 @@ class InvariantChecker:
         return report
 
     # -- per request ------------------------------------------------------------------
-    def _check_requests(self, reqs: list[TrackedReq], report: CheckReport) -> None:
+    def _check_requests(self, reqs: list[TrackedReq], report: CheckReport) -> set[str]:
+        """Per-request checks; returns the rids whose record is too broken to walk."""
         page_size = self.pools.page_size
         width = self.pools.req_to_token_pool.row_width
         seen: set[str] = set()
+        malformed: set[str] = set()
         for req in reqs:
             kv, rid = req.kv, req.rid
             if rid in seen:
@@ -134,6 +137,7 @@ class InvariantChecker:
                         f"{'lacks' if must else 'holds'} {name}"
                     )
             if not 0 <= kv.protected_len <= kv.committed_len <= kv.allocated_len <= width:
+                malformed.add(rid)
                 report.violations.append(
                     f"request {rid}: ladder broken: protected={kv.protected_len} "
                     f"committed={kv.committed_len} allocated={kv.allocated_len} width={width}"
@@ -142,6 +146,7 @@ class InvariantChecker:
                 report.violations.append(f"request {rid}: protected_len {kv.protected_len} "
                                          f"not page aligned")
             if len(kv.page_ids) != num_pages(kv.allocated_len, page_size):
+                malformed.add(rid)
                 report.violations.append(
                     f"request {rid}: {len(kv.page_ids)} page ids for allocated_len "
                     f"{kv.allocated_len}"
@@ -153,6 +158,7 @@ class InvariantChecker:
                 report.violations.append(
                     f"request {rid}: protected_len {kv.protected_len} != locked prefix {lock_len}"
                 )
+        return malformed
 
     # -- pools ------------------------------------------------------------------------
     def _check_kv_equation(self, reqs: list[TrackedReq], held: dict[str, Sequence[int]],

@@ -134,6 +134,10 @@ class PrefillAdder:
         if chunk is not None and extend_len > chunk and floor_page(chunk, self.page_size) <= 0:
             return AddResult.OTHER
         lock_prefix(req, self.tree_cache, req.match_node)
+        locked = req.kv.lock.prefix_len if req.kv.lock is not None else 0
+        if locked != req.match_len:  # a stale match: go by what is really locked
+            req.match_len = locked
+            extend_len = req.seq_len - locked
         if not self._fits_memory(req, extend_len):  # the lock made part of evictable protected
             release_kv_cache(req, self.tree_cache, insert=False)
             return AddResult.NO_TOKEN

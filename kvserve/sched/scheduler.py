@@ -271,7 +271,7 @@ class Scheduler:
             model_seconds = time.perf_counter() - t0
             self.process_batch_result(batch, result)
             self._inflight = None
-            self.pools.allocator.release_deferred(batch.batch_id)
+            self.tree_cache.release_deferred(batch.batch_id)
         elif not self.running and self.chunked_req is None:
             self.ratio.reset()
         stats = self.stats
@@ -631,7 +631,7 @@ class Scheduler:
         if self._inflight is None:
             release_kv_cache(req, self.tree_cache, insert=insert)
         else:
-            with self.pools.allocator.deferring(self._inflight.batch_id):
+            with self.tree_cache.deferring(self._inflight.batch_id):
                 release_kv_cache(req, self.tree_cache, insert=insert)
 
     def _finish(

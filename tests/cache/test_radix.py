@@ -3,7 +3,7 @@ from array import array
 import pytest
 
 from kvserve.cache import ChunkCache, LockRefError, RadixCache
-from kvserve.mem import MemoryPools, ReqToTokenPool, TokenToKVPoolAllocator
+from kvserve.mem import MemoryPools, PoolError, ReqToTokenPool, TokenToKVPoolAllocator
 
 
 def make_cache(page_size=1, num_tokens=1024):
@@ -48,7 +48,7 @@ def test_insert_then_match_whole_pages_only(page_size):
 
 def test_partial_last_page_is_never_cached():
     cache = make_cache(16)
-    cache.insert(list(range(20)), [1, 2])
+    cache.insert(list(range(20)), cache.pools.allocator.alloc_pages(2))
     assert cache.evictable_size() == 16
     assert cache.match_prefix(list(range(20))).prefix_len == 16
     assert cache.match_prefix(list(range(15))).prefix_len == 0
@@ -88,6 +88,11 @@ def test_insert_reports_what_was_already_cached():
     assert cache.match_prefix([1, 2, 3, 4, 5, 6]).page_ids[2] == dup[2]
     with pytest.raises(ValueError, match="page ids"):
         cache.insert([1, 2, 3, 4, 9, 9, 9, 9], [1])
+    with pytest.raises(PoolError, match="page 0 is reserved"):
+        cache.insert([5, 5, 5, 5], [0, 0])
+    with pytest.raises(PoolError, match="is free, not an allocated page"):
+        cache.insert([5, 5, 5, 5], alloc.free_page_ids()[:2])
+    assert cache.verify() == [] and cache.match_prefix([5, 5]).prefix_len == 0
 
 
 def test_extra_key_namespaces_do_not_share():
