@@ -161,9 +161,11 @@ def alloc_for_extend(req: KVOwner, tree_cache: BasePrefixCache, extend_len: int)
 
 
 class DecodeAlloc(NamedTuple):
-    """Result of ``alloc_for_decode``."""
+    """Result of ``alloc_for_decode``, in batch order of the requests that got a slot."""
 
-    out_cache_loc: list[int]  # slot of position committed_len, per request that got one
+    out_cache_loc: list[int]  # slot of position committed_len
+    positions: list[int]  # committed_len
+    rows: list[int]  # req_pool_idx
     failed: list[KVOwner]  # requests that could not get a slot (nothing taken for them)
 
 
@@ -171,8 +173,9 @@ def alloc_for_decode(reqs: Sequence[KVOwner], tree_cache: BasePrefixCache) -> De
     """A slot for each request's next token (position ``committed_len``).
 
     Batch-level, like SGLang's: a new page only where the position starts one,
-    the row entries of the whole batch written in one indexed copy, and the slots
-    returned as the batch's ``out_cache_loc`` (requests that failed left out).
+    the row entries of the whole batch written in one indexed copy (rewriting an
+    entry that over-allocation already set is harmless), and the slots returned
+    as the batch's ``out_cache_loc``.
     """
     for req in reqs:  # refuse the whole batch before changing anything
         if req.kv.row is None:
@@ -180,10 +183,10 @@ def alloc_for_decode(reqs: Sequence[KVOwner], tree_cache: BasePrefixCache) -> De
     pools = tree_cache.pools
     page_size = pools.page_size
     width = pools.req_to_token_pool.row_width
-    rows: list[int] = []
-    cols: list[int] = []
-    new_slots: list[int] = []
     out: list[int] = []
+    positions: list[int] = []
+    rows: list[int] = []
+    flat: list[int] = []
     failed: list[KVOwner] = []
     for req in reqs:
         kv = req.kv
@@ -199,16 +202,14 @@ def alloc_for_decode(reqs: Sequence[KVOwner], tree_cache: BasePrefixCache) -> De
                     failed.append(req)
                     continue
                 page_ids.append(pages[0])
-            slot = page_ids[pos // page_size] * page_size + pos % page_size
-            rows.append(kv.row)  # type: ignore[arg-type]  # checked above
-            cols.append(pos)
-            new_slots.append(slot)
             kv.allocated_len = pos + 1
-        else:
-            slot = page_ids[pos // page_size] * page_size + pos % page_size
-        out.append(slot)
-    pools.req_to_token_pool.write_many(rows, cols, new_slots)
-    return DecodeAlloc(out, failed)
+        row: int = kv.row  # type: ignore[assignment]  # checked above
+        out.append(page_ids[pos // page_size] * page_size + pos % page_size)
+        positions.append(pos)
+        rows.append(row)
+        flat.append(row * width + pos)
+    pools.req_to_token_pool.write_flat(flat, out)
+    return DecodeAlloc(out, positions, rows, failed)
 
 
 def alloc_for_spec_decode(req: KVOwner, tree_cache: BasePrefixCache, reserve: int) -> bool:

@@ -6,9 +6,22 @@ lives at offset ``i % page_size`` of its ``i // page_size``-th page.
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Sequence
 
 import torch
+
+_ARRAY_CODES = {torch.int32: "i", torch.int64: "q"}
+
+
+def int_tensor(values: Sequence[int], dtype: torch.dtype = torch.int32,
+               device: str | torch.device = "cpu") -> torch.Tensor:
+    """A 1-D integer tensor from Python ints, through one C-level ``array`` copy (several
+    times faster than ``torch.tensor(list)`` for the few hundred values of a batch)."""
+    buf = array(_ARRAY_CODES[dtype], values)
+    if not buf:
+        return torch.empty(0, dtype=dtype, device=device)
+    return torch.frombuffer(buf, dtype=dtype).to(device)
 
 
 def num_pages(num_tokens: int, page_size: int) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from kvserve.mem.errors import DoubleFreeError, PoolError
+from kvserve.mem.pages import int_tensor
 
 
 class ReqToTokenPool:
@@ -66,15 +67,14 @@ class ReqToTokenPool:
             raise PoolError(f"row write [{start}, {end}) past row width {self.row_width}")
         self.req_to_token[row, start:end] = slot_ids.to(self.req_to_token.device)
 
-    def write_many(self, rows: list[int], cols: list[int], slot_ids: list[int]) -> None:
-        """Set ``req_to_token[rows[i], cols[i]] = slot_ids[i]`` for all ``i`` in one copy."""
-        if not rows:
+    def write_flat(self, flat_index: list[int], slot_ids: list[int]) -> None:
+        """Set ``req_to_token.view(-1)[flat_index[i]] = slot_ids[i]`` in one copy, where
+        the flat index of (row, column) is ``row * row_width + column``."""
+        if not flat_index:
             return
-        if max(cols) >= self.row_width:
-            raise PoolError(f"row write at column {max(cols)} past row width {self.row_width}")
         dev = self.req_to_token.device
-        self.req_to_token[torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)] = (
-            torch.tensor(slot_ids, dtype=torch.int32, device=dev)
+        self.req_to_token.view(-1)[int_tensor(flat_index, torch.int64, dev)] = int_tensor(
+            slot_ids, torch.int32, dev
         )
 
     def is_free(self, row: int) -> bool:

@@ -29,6 +29,7 @@ from kvserve.cache.base import BasePrefixCache
 from kvserve.cache.chunk import ChunkCache
 from kvserve.cache.radix import RadixCache
 from kvserve.kv import (
+    DecodeAlloc,
     alloc_for_decode,
     alloc_for_extend,
     alloc_for_spec_decode,
@@ -37,7 +38,7 @@ from kvserve.kv import (
     req_slot_ids,
     spec_reserve_tokens,
 )
-from kvserve.mem.pages import ceil_page, num_pages
+from kvserve.mem.pages import ceil_page, int_tensor, num_pages
 from kvserve.mem.pools import MemoryPools
 from kvserve.sched.batch import (
     ForwardBatch,
@@ -157,6 +158,9 @@ class SchedulerStats:
     model_seconds: list[float] = field(default_factory=list)
     checker_seconds: list[float] = field(default_factory=list)
     decode_step: list[bool] = field(default_factory=list)
+
+
+_new_output = tuple.__new__  # builds a ReqOutput without NamedTuple.__new__'s Python frame
 
 
 def make_tree_cache(pools: MemoryPools, disable_radix_cache: bool) -> BasePrefixCache:
@@ -393,9 +397,10 @@ class Scheduler:
             return None
         retracted = self._check_decode_mem()
         spec = self.config.speculative
-        slots: list[int] | None = None
+        decode = None
         if spec is None:
-            slots, failed = alloc_for_decode(self.running, self.tree_cache)
+            decode = alloc_for_decode(self.running, self.tree_cache)
+            failed = decode.failed
         else:
             failed = [r for r in self.running
                       if not alloc_for_spec_decode(r, self.tree_cache, spec.reserve)]
@@ -407,27 +412,30 @@ class Scheduler:
         if not retracted and not failed:
             self.ratio.on_decode_step()
         self.stats.decode_batches += 1
-        if slots is not None:
-            return self._build_decode_batch(list(self.running), slots)
+        if decode is not None:
+            if failed:  # rare: the slots of the requests that stayed
+                decode = alloc_for_decode(self.running, self.tree_cache)
+            return self._build_decode_batch(list(self.running), decode)
         return self._build_batch(ForwardMode.DECODE, list(self.running))
 
-    def _build_decode_batch(self, reqs: list[Req], slots: list[int]) -> ScheduleBatch:
+    def _build_decode_batch(self, reqs: list[Req], decode: DecodeAlloc) -> ScheduleBatch:
         """One token per request at position ``committed_len`` (the hot path)."""
         device = self.pools.req_to_token_pool.req_to_token.device
         n = len(reqs)
-
-        def i32(values: list[int]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.int32, device=device)
-
-        positions = i32([r.kv.committed_len for r in reqs])
+        # one host->device copy for the four per-request vectors
+        packed = int_tensor(
+            [r.output_ids[-1] for r in reqs] + decode.positions + decode.out_cache_loc
+            + decode.rows, torch.int32, device,
+        )
+        input_ids, positions, out_cache_loc, rows = packed.view(4, n).unbind(0)
         batch_id = next(self._batch_ids)
         forward = ForwardBatch(
             batch_id=batch_id,
             forward_mode=ForwardMode.DECODE,
-            input_ids=i32([r.output_ids[-1] for r in reqs]),
+            input_ids=input_ids,
             positions=positions,
-            out_cache_loc=i32(slots),
-            req_pool_indices=i32([r.kv.row for r in reqs]),  # type: ignore[misc]
+            out_cache_loc=out_cache_loc,
+            req_pool_indices=rows,
             seq_lens=positions + 1,
             prefix_lens=positions,
             extend_lens=torch.ones(n, dtype=torch.int32, device=device),
@@ -535,6 +543,7 @@ class Scheduler:
             raise ValueError(f"model returned {len(result.token_ids)} results for "
                              f"{len(batch.reqs)} requests")
         fb = batch.forward_batch
+        finished_before = self.stats.finished
         if batch.forward_mode is ForwardMode.DECODE and not fb.speculative:
             self._process_decode(batch.reqs, result.token_ids)
         else:
@@ -551,9 +560,7 @@ class Scheduler:
                         raise ValueError(f"model accepted {len(tokens)} tokens for {req.rid}, "
                                          f"window {width}")
                     self._append_tokens(req, tokens, commit=True)
-        if batch.forward_mode is ForwardMode.DECODE or any(
-            r.state is not ReqState.RUNNING for r in self.running
-        ):
+        if self.stats.finished != finished_before:
             self.running = [r for r in self.running if r.state is ReqState.RUNNING]
 
     def _process_decode(self, reqs: list[Req], results: list[list[int]]) -> None:
@@ -563,9 +570,11 @@ class Scheduler:
             if req.to_finish is not None:
                 self._finish(req, req.to_finish, insert=True)
                 continue
-            if len(tokens) != 1:
-                raise ValueError(f"model returned {len(tokens)} tokens for {req.rid} in decode")
-            token = tokens[0]
+            try:
+                (token,) = tokens
+            except ValueError:
+                raise ValueError(f"model returned {len(tokens)} tokens for {req.rid} in "
+                                 "decode") from None
             out = req.output_ids
             if token in req.stop_ids or len(out) + 1 >= req.max_output_len:
                 self._append_tokens(req, tokens, commit=True)
@@ -575,8 +584,8 @@ class Scheduler:
                 commit_kv(req, 1)  # raises: no slot was allocated for this token
             kv.committed_len += 1
             out.append(token)
-            outputs.append(ReqOutput(req.rid, tokens, None, req.prompt_len, req.cached_tokens,
-                                     len(out)))
+            outputs.append(_new_output(ReqOutput, (req.rid, tokens, None, req.prompt_len,
+                                                   req.cached_tokens, len(out))))
 
     def _process_extend(self, req: Req, tokens: list[int]) -> None:
         commit_kv(req, req.extend_len)
