@@ -95,10 +95,7 @@ def test_alloc_for_extend_is_all_or_nothing_on_pages():
 
 def test_allocation_evicts_from_the_cache_when_short():
     h = KVHarness(page_size=4, num_tokens=16)
-    a = h.new(list(range(1, 13)))
-    h.admit(a)
-    h.extend(a)
-    h.finish(a)
+    h.complete(list(range(1, 13)))
     assert h.cache.evictable_size() == 12
     b = h.new(list(range(50, 62)))
     h.admit(b)
@@ -113,10 +110,7 @@ def test_allocation_evicts_from_the_cache_when_short():
 
 def test_extend_with_cached_prefix_fills_row_with_tree_pages():
     h = KVHarness(page_size=4, num_tokens=64)
-    a = h.new(list(range(1, 11)))
-    h.admit(a)
-    h.extend(a)
-    h.finish(a)
+    h.complete(list(range(1, 11)))
     b = h.new(list(range(1, 11)) + [99, 98])
     assert h.admit(b) == 8
     assert b.kv.holds_lock and not b.kv.holds_row and b.kv.protected_len == 0
@@ -162,9 +156,7 @@ def test_extend_past_row_width_fails_cleanly():
 
 def test_decode_inside_speculative_overallocation_takes_no_page():
     h = KVHarness(page_size=4, num_tokens=64, spec_reserve=8)
-    req = h.new([1, 2, 3, 4, 5])
-    h.admit(req)
-    h.extend(req)
+    req = h.start([1, 2, 3, 4, 5])
     assert alloc_for_spec_decode(req, h.cache, 8)
     assert req.kv.allocated_len == 16
     free = h.pools.allocator.available_size()
@@ -262,9 +254,7 @@ def test_scenario_3_concurrent_prefill_of_same_prompt_repoints_second_row():
 def test_scenario_4_speculative_decode_allocated_len_every_step():
     h = KVHarness(page_size=16, num_tokens=16 * 16, context_len=128,
                   spec_reserve=spec_reserve_tokens(3, 1, 4))
-    req = h.new(list(range(1, 11)))
-    h.admit(req)
-    h.extend(req)
+    req = h.start(list(range(1, 11)))
     reserve = spec_reserve_tokens(num_steps=3, topk=1, num_draft_tokens=4)
     assert reserve == 8
     seen = []
@@ -287,10 +277,7 @@ def test_scenario_5_unaligned_prefix_frees_every_page_once(cached_prefix, exit_p
     h = KVHarness(page_size=16, num_tokens=16 * 8)
     prompt = list(range(1, 21))
     if cached_prefix:
-        warm = h.new(prompt)
-        h.admit(warm)
-        h.extend(warm)
-        h.finish(warm)
+        h.complete(prompt)
     req = h.new(prompt)
     assert h.admit(req) == (16 if cached_prefix else 0)
     h.extend(req)
@@ -313,9 +300,7 @@ def test_scenario_5_unaligned_prefix_frees_every_page_once(cached_prefix, exit_p
 
 def test_scenario_6_double_free_is_reported_as_over_total():
     h = KVHarness(page_size=4, num_tokens=64, strict=False)
-    req = h.new(list(range(1, 11)))
-    h.admit(req)
-    h.extend(req)
+    req = h.start(list(range(1, 11)))
     h.pools.allocator.free(req.kv.owned_page_ids(4))  # behind the request's back
     report = h.check()
     assert any("over the total (double free or double count)" in v for v in report.violations)
@@ -327,9 +312,7 @@ def test_scenario_6_double_free_is_reported_as_over_total():
 
 def test_scenario_6b_leak_is_reported_as_missing():
     h = KVHarness(page_size=4, num_tokens=64, strict=False)
-    req = h.new(list(range(1, 11)))
-    h.admit(req)
-    h.extend(req)
+    req = h.start(list(range(1, 11)))
     req.kv.page_ids.pop()  # forget a page: nobody owns it now
     req.kv.allocated_len = 8
     report = h.check()
@@ -339,10 +322,7 @@ def test_scenario_6b_leak_is_reported_as_missing():
 
 def test_scenario_7_locked_prefix_survives_eviction_and_bad_unlock_raises():
     h = KVHarness(page_size=4, num_tokens=32)
-    a = h.new(list(range(1, 13)))
-    h.admit(a)
-    h.extend(a)
-    h.finish(a)
+    h.complete(list(range(1, 13)))
     b = h.new(list(range(1, 9)) + [70, 71, 72, 73, 74])
     assert h.admit(b) == 8
     assert h.cache.evict(10_000) == 4  # only the unlocked leaf page

@@ -9,13 +9,8 @@ from kvserve.testing.kv_harness import KVHarness
 
 
 def cached_then_running(h, extra=(40, 41, 42)):
-    warm = h.new(list(range(1, 18)))
-    h.admit(warm)
-    h.extend(warm)
-    h.finish(warm)
-    req = h.new(list(range(1, 18)) + list(extra))
-    h.admit(req)
-    h.extend(req)
+    h.complete(list(range(1, 18)))
+    req = h.start(list(range(1, 18)) + list(extra))
     return req
 
 
@@ -42,9 +37,7 @@ def test_release_during_an_in_flight_batch_keeps_every_page_it_reads(insert):
 
 def test_decode_batch_with_a_rowless_request_changes_nothing():
     h = KVHarness(page_size=4, num_tokens=64)
-    a = h.new(list(range(1, 9)))
-    h.admit(a)
-    h.extend(a)
+    a = h.start(list(range(1, 9)))
     b = h.new([5, 6, 7])
     h.admit(b)
     before = (a.kv.allocated_len, list(a.kv.page_ids))
@@ -56,14 +49,10 @@ def test_decode_batch_with_a_rowless_request_changes_nothing():
 
 def test_decode_at_the_row_width_fails_only_that_request():
     h = KVHarness(page_size=2, num_tokens=64, context_len=4)  # row width 5
-    a = h.new([1, 2, 3, 4])
-    h.admit(a)
-    h.extend(a)
+    a = h.start([1, 2, 3, 4])
     alloc_for_decode([a], h.cache)
     commit_kv(a, 1)  # committed 5 == row width
-    b = h.new([9, 8])
-    h.admit(b)
-    h.extend(b)
+    b = h.start([9, 8])
     result = alloc_for_decode([b, a], h.cache)
     assert result.failed == [a] and len(result.out_cache_loc) == 1
     assert b.kv.allocated_len == 3 and a.kv.allocated_len == 5
@@ -82,9 +71,7 @@ def test_checker_reports_a_lock_whose_node_left_the_tree():
 @pytest.mark.parametrize("corruption", ["short page_ids", "past row width"])
 def test_checker_reports_instead_of_crashing_on_corrupt_records(corruption):
     h = KVHarness(page_size=4, num_tokens=64, context_len=8, strict=False)
-    req = h.new(list(range(1, 8)))
-    h.admit(req)
-    h.extend(req)
+    req = h.start(list(range(1, 8)))
     if corruption == "short page_ids":
         req.kv.page_ids.pop()
     else:
@@ -97,9 +84,7 @@ def test_checker_reports_instead_of_crashing_on_corrupt_records(corruption):
 @pytest.mark.parametrize("finished", [True, False])
 def test_trimmed_fill_ids_free_what_cannot_be_keyed(finished):
     h = KVHarness(page_size=4, num_tokens=256, strict=False)
-    req = h.new(list(range(1, 11)))
-    h.admit(req)
-    h.extend(req)
+    req = h.start(list(range(1, 11)))
     for _ in range(12):
         h.decode(req)
     del req.output_ids[-6:]  # a caller cut tokens that already have KV
@@ -117,10 +102,7 @@ def test_trimmed_fill_ids_free_what_cannot_be_keyed(finished):
 
 def test_allocation_inside_a_free_group_can_still_evict():
     h = KVHarness(page_size=4, num_tokens=32)
-    warm = h.new(list(range(1, 30)))
-    h.admit(warm)
-    h.extend(warm)
-    h.finish(warm)
+    h.complete(list(range(1, 30)))
     req = h.new(list(range(100, 120)))
     h.admit(req)
     with h.pools.allocator.free_group():
@@ -133,9 +115,7 @@ def test_allocation_inside_a_free_group_can_still_evict():
 
 def test_release_with_a_bad_mamba_slot_leaves_the_record_whole():
     h = KVHarness(page_size=4, num_tokens=64, mamba_slots=2)
-    req = h.new(list(range(1, 10)))
-    h.admit(req)
-    h.extend(req)
+    req = h.start(list(range(1, 10)))
     req.kv.mamba_slots = (99,)
     for _ in range(2):  # the same clear error twice, never a double free
         with pytest.raises(PoolError, match="mamba slot 99"):
@@ -150,10 +130,7 @@ def test_release_with_a_bad_mamba_slot_leaves_the_record_whole():
 
 def test_a_match_taken_before_reset_locks_nothing():
     h = KVHarness(page_size=4, num_tokens=64)
-    warm = h.new(list(range(1, 18)))
-    h.admit(warm)
-    h.extend(warm)
-    h.finish(warm)
+    h.complete(list(range(1, 18)))
     stale = h.cache.match_prefix(list(range(1, 18)))
     h.cache.reset()
     assert h.cache.inc_lock_ref(stale.last_node) is None
@@ -164,10 +141,7 @@ def test_a_match_taken_before_reset_locks_nothing():
 def test_emptied_namespaces_are_dropped():
     h = KVHarness(page_size=1, num_tokens=256)
     for salt in range(20):
-        req = h.new([1, 2, 3], extra_key=f"salt-{salt}")
-        h.admit(req)
-        h.extend(req)
-        h.finish(req)
+        h.complete([1, 2, 3], extra_key=f"salt-{salt}")
     assert len(h.cache._roots) == 21
     h.cache.evict(10**6)
     assert list(h.cache._roots) == [None]

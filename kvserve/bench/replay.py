@@ -18,7 +18,6 @@ nothing from intra-op threads on a 2-core machine and lose a lot to contention.
 
 from __future__ import annotations
 
-import json
 import random
 import statistics
 from dataclasses import dataclass
@@ -26,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from kvserve.bench.workloads import MOONCAKE_BLOCK_TOKENS
+from kvserve.bench.workloads import read_mooncake
 from kvserve.sched.invariants import InvariantViolation
 from kvserve.testing.scripted import ScriptedEngine
 
@@ -39,28 +38,12 @@ class TraceRequest:
 
 
 def load_trace_requests(path: str | Path, block: int = 16, limit: int = 0) -> list[TraceRequest]:
-    """Requests of a Mooncake trace; ValueError naming the line for a malformed row."""
-    out: list[TraceRequest] = []
-    with open(path) as f:
-        for line_no, line in enumerate(f, 1):
-            if limit and len(out) >= limit:
-                break
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-                length = -(-int(row["input_length"]) * block // MOONCAKE_BLOCK_TOKENS)
-                tokens: list[int] = []
-                for h in row["hash_ids"]:
-                    tokens.extend(range(int(h) * block, int(h) * block + block))
-                out.append(TraceRequest(
-                    arrival_step=int(row["timestamp"]) // 1000,
-                    prompt_ids=tokens[:length],
-                    max_new_tokens=max(1, -(-int(row["output_length"]) // 8)),
-                ))
-            except (ValueError, KeyError, TypeError) as err:
-                raise ValueError(f"{path}:{line_no}: not a Mooncake trace row ({err})") from err
-    return out
+    """W2 requests of a Mooncake trace: arrival step = timestamp in whole seconds, output
+    ``max(1, ceil(output_length / 8))``. ValueError naming the line for a malformed row."""
+    return [
+        TraceRequest(r.timestamp_ms // 1000, r.prompt_ids, max(1, -(-r.output_length // 8)))
+        for r in read_mooncake(path, block, limit)
+    ]
 
 
 def w2_engine(strict: bool = True, num_tokens: int = 131_072, context_len: int = 8192,

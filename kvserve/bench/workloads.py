@@ -10,34 +10,47 @@ from __future__ import annotations
 
 import json
 import random
+from dataclasses import dataclass
 from pathlib import Path
 
 MOONCAKE_BLOCK_TOKENS = 512
 
 
-def load_mooncake_prompts(path: str | Path, block: int, limit: int = 0) -> list[list[int]]:
-    """Token-id prompts of a Mooncake trace (``limit`` > 0: only the first rows).
+@dataclass(frozen=True, slots=True)
+class MooncakeRequest:
+    timestamp_ms: int
+    prompt_ids: list[int]
+    output_length: int  # tokens, as in the trace
+
+
+def read_mooncake(path: str | Path, block: int, limit: int = 0) -> list[MooncakeRequest]:
+    """Rows of a Mooncake trace with their prompts expanded (``limit`` > 0: first rows).
 
     Raises FileNotFoundError, or ValueError naming the line for a malformed row.
     """
-    prompts: list[list[int]] = []
+    out: list[MooncakeRequest] = []
     with open(path) as f:
         for line_no, line in enumerate(f, 1):
-            if limit and len(prompts) >= limit:
+            if limit and len(out) >= limit:
                 break
             if not line.strip():
                 continue
             try:
                 row = json.loads(line)
                 length = -(-int(row["input_length"]) * block // MOONCAKE_BLOCK_TOKENS)
-                hash_ids = [int(h) for h in row["hash_ids"]]
-            except (ValueError, KeyError, TypeError) as err:
+                tokens: list[int] = []
+                for h in row["hash_ids"]:
+                    tokens.extend(range(int(h) * block, int(h) * block + block))
+                out.append(MooncakeRequest(int(row.get("timestamp", 0)), tokens[:length],
+                                           int(row.get("output_length", 1))))
+            except (ValueError, KeyError, TypeError, AttributeError) as err:
                 raise ValueError(f"{path}:{line_no}: not a Mooncake trace row ({err})") from err
-            tokens: list[int] = []
-            for h in hash_ids:
-                tokens.extend(range(h * block, h * block + block))
-            prompts.append(tokens[:length])
-    return prompts
+    return out
+
+
+def load_mooncake_prompts(path: str | Path, block: int, limit: int = 0) -> list[list[int]]:
+    """Token-id prompts of a Mooncake trace (W1)."""
+    return [r.prompt_ids for r in read_mooncake(path, block, limit)]
 
 
 def synthetic_multiturn_prompts(

@@ -181,35 +181,17 @@ class InvariantChecker:
         _balance("kv tokens", total, alloc.size, report)
 
     def _check_rows(self, reqs: list[TrackedReq], report: CheckReport) -> None:
-        pool = self.pools.req_to_token_pool
-        rows = [r.kv.row for r in reqs if r.kv.row is not None]
-        numbers = {"free": pool.available_size(), "session": 0, "live": len(rows),
-                   "size": pool.size}
-        report.pools["rows"] = numbers
-        _balance("rows", numbers["free"] + numbers["live"], pool.size, report)
-        if len(set(rows)) != len(rows):
-            report.violations.append("a row is held by two requests")
-        for req in reqs:
-            row = req.kv.row
-            if row is not None and (not 0 < row <= pool.size or pool.is_free(row)):
-                report.violations.append(f"request {req.rid} holds row {row}, which is free")
+        held = [(r.rid, r.kv.row) for r in reqs if r.kv.row is not None]
+        _check_slot_pool(self.pools.req_to_token_pool, "rows", "row", held, report)
 
     def _check_mamba(self, reqs: list[TrackedReq], report: CheckReport) -> None:
         pool = self.pools.mamba_pool
-        slots = [s for r in reqs for s in r.kv.mamba_slots]
+        held = [(r.rid, s) for r in reqs for s in r.kv.mamba_slots]
         if pool is None:
-            if slots:
+            if held:
                 report.violations.append("requests hold Mamba slots but there is no Mamba pool")
             return
-        numbers = {"free": pool.available_size(), "session": 0, "live": len(slots),
-                   "size": pool.size}
-        report.pools["mamba_slots"] = numbers
-        _balance("mamba slots", numbers["free"] + numbers["live"], pool.size, report)
-        if len(set(slots)) != len(slots):
-            report.violations.append("a Mamba slot is held twice")
-        for slot in slots:
-            if not 0 < slot <= pool.size or pool.is_free(slot):
-                report.violations.append(f"Mamba slot {slot} is held but free")
+        _check_slot_pool(pool, "mamba_slots", "Mamba slot", held, report)
 
     # -- full walk --------------------------------------------------------------------
     def _walk_pages(self, reqs: list[TrackedReq], held: dict[str, Sequence[int]],
@@ -269,6 +251,29 @@ class InvariantChecker:
                     f"request {req.rid}: row {kv.row} position {bad} holds slot "
                     f"{int(have[bad])}, its pages say {int(want[bad])}"
                 )
+
+
+class _SlotPool(Protocol):
+    size: int
+
+    def available_size(self) -> int: ...
+
+    def is_free(self, slot: int, /) -> bool: ...
+
+
+def _check_slot_pool(pool: _SlotPool, key: str, noun: str, held: list[tuple[str, int]],
+                     report: CheckReport) -> None:
+    """free + session + live == size for a pool of numbered slots (rows, Mamba slots),
+    and every held slot allocated and held once."""
+    numbers = {"free": pool.available_size(), "session": 0, "live": len(held), "size": pool.size}
+    report.pools[key] = numbers
+    _balance(key.replace("_", " "), numbers["free"] + numbers["live"], pool.size, report)
+    ids = [i for _, i in held]
+    if len(set(ids)) != len(ids):
+        report.violations.append(f"a {noun} is held by two requests")
+    for rid, i in held:
+        if not 0 < i <= pool.size or pool.is_free(i):
+            report.violations.append(f"request {rid} holds {noun} {i}, which is free")
 
 
 def _balance(name: str, counted: int, total: int, report: CheckReport) -> None:

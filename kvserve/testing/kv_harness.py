@@ -103,6 +103,19 @@ class KVHarness:
         self.live[req.rid] = req
         return req
 
+    def start(self, prompt_ids: list[int], extra_key: str | None = None) -> FakeReq:
+        """A new request admitted and prefilled in one go (running)."""
+        req = self.new(prompt_ids, extra_key)
+        self.admit(req)
+        assert self.extend(req)
+        return req
+
+    def complete(self, prompt_ids: list[int], extra_key: str | None = None) -> FakeReq:
+        """A request run through prefill and finished with insert (warms the cache)."""
+        req = self.start(prompt_ids, extra_key)
+        self.finish(req)
+        return req
+
     def admit(self, req: FakeReq, mamba: int = 0) -> int:
         """Match (capped so one token is computed), lock, take Mamba slots; returns the
         matched prefix length in tokens."""

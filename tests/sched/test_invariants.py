@@ -88,7 +88,7 @@ def test_rows_mamba_and_registry_errors():
     h.pools.req_to_token_pool.free(a.kv.row)
     found = violations(h)
     assert f"request {a.rid} holds row {a.kv.row}, which is free" in found
-    assert f"Mamba slot {b.kv.mamba_slots[0]} is held but free" in found
+    assert f"request {b.rid} holds Mamba slot {b.kv.mamba_slots[0]}, which is free" in found
     assert any(v.startswith("rows: 1 over the total") for v in found)
     h.live["dup"] = a
     assert f"request {a.rid} is registered twice" in violations(h)
