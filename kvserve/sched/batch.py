@@ -21,6 +21,17 @@ class ForwardMode(enum.Enum):
 
 
 @dataclass(frozen=True, slots=True)
+class SamplingBatch:
+    """Per-request sampling parameters, batch order (SGLang's SamplingBatchInfo)."""
+
+    temperature: torch.Tensor  # float32 [batch]; 0 = greedy
+    top_k: torch.Tensor  # int32 [batch]; -1 = all tokens
+    top_p: torch.Tensor  # float32 [batch], in (0, 1]
+    min_p: torch.Tensor  # float32 [batch], in [0, 1]
+    seed: torch.Tensor  # int64 [batch]; -1 = unseeded
+
+
+@dataclass(frozen=True, slots=True)
 class ForwardBatch:
     """A snapshot of one step's work. All tensors are int32 on the pool's device.
 
@@ -43,6 +54,7 @@ class ForwardBatch:
     extend_lens: torch.Tensor  # [batch]
     sample: torch.Tensor  # [batch] bool: does request i get a token this step
     speculative: bool = False
+    sampling: SamplingBatch | None = None  # set when the model samples (real runner)
 
     @property
     def batch_size(self) -> int:
@@ -58,7 +70,10 @@ class ModelOutput(NamedTuple):
 
 
 class ModelRunnerLike(Protocol):
-    """The one interface the scripted fake model and the real runner implement."""
+    """The one interface the scripted fake model and the real runner implement.
+    ``uses_sampling_params``: whether batches must carry a ``SamplingBatch``."""
+
+    uses_sampling_params: bool
 
     def forward(self, batch: ForwardBatch) -> ModelOutput: ...
 

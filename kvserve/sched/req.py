@@ -27,11 +27,29 @@ class SamplingParams:
     max_new_tokens: int = 128
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = -1  # -1 = all tokens
+    min_p: float = 0.0
+    seed: int | None = None  # per-request generator: same tokens whatever the batch
 
     def validate(self) -> None:
+        """Raises RequestRejected naming the first bad field."""
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 0:
             raise RequestRejected(f"max_new_tokens must be an integer >= 0, got "
                                   f"{self.max_new_tokens!r}")
+        if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
+            raise RequestRejected("stop_token_ids must be non-negative integers")
+        if not self.temperature >= 0:
+            raise RequestRejected(f"temperature must be >= 0, got {self.temperature!r}")
+        if not 0 < self.top_p <= 1:
+            raise RequestRejected(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or (self.top_k < 1 and self.top_k != -1):
+            raise RequestRejected(f"top_k must be -1 or >= 1, got {self.top_k!r}")
+        if not 0 <= self.min_p <= 1:
+            raise RequestRejected(f"min_p must be in [0, 1], got {self.min_p!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
+            raise RequestRejected(f"seed must be a non-negative integer, got {self.seed!r}")
 
 
 class FinishKind(enum.Enum):

@@ -45,6 +45,7 @@ from kvserve.sched.batch import (
     ForwardMode,
     ModelOutput,
     ModelRunnerLike,
+    SamplingBatch,
     ScheduleBatch,
 )
 from kvserve.sched.invariants import CheckReport, InvariantChecker, InvariantViolation
@@ -183,6 +184,7 @@ class Scheduler:
         self.config = config
         self.pools = pools
         self.model = model
+        self._uses_sampling = bool(getattr(model, "uses_sampling_params", False))
         self.tree_cache = make_tree_cache(pools, config.disable_radix_cache)
         self.checker = InvariantChecker(self.tree_cache, strict=config.strict_checks)
         self.waiting: list[Req] = []
@@ -440,6 +442,7 @@ class Scheduler:
             prefix_lens=positions,
             extend_lens=torch.ones(n, dtype=torch.int32, device=device),
             sample=torch.ones(n, dtype=torch.bool, device=device),
+            sampling=self._sampling_batch(reqs, device),
         )
         return ScheduleBatch(batch_id, ForwardMode.DECODE, reqs, forward)
 
@@ -535,8 +538,23 @@ class Scheduler:
             extend_lens=i32(extend_lens),
             sample=torch.tensor(sample, dtype=torch.bool, device=device),
             speculative=mode is ForwardMode.DECODE and spec is not None,
+            sampling=self._sampling_batch(reqs, device),
         )
         return ScheduleBatch(batch_id, mode, reqs, forward)
+
+    def _sampling_batch(self, reqs: list[Req], device: torch.device) -> SamplingBatch | None:
+        if not self._uses_sampling:
+            return None
+        params = [r.sampling for r in reqs]
+        return SamplingBatch(
+            temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32,
+                                     device=device),
+            top_k=int_tensor([p.top_k for p in params], torch.int32, device),
+            top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
+            min_p=torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device),
+            seed=int_tensor([-1 if p.seed is None else p.seed for p in params], torch.int64,
+                            device),
+        )
 
     def process_batch_result(self, batch: ScheduleBatch, result: ModelOutput) -> None:
         if len(result.token_ids) != len(batch.reqs):

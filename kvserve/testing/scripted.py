@@ -56,6 +56,8 @@ class ScriptedModel:
             (bonus included); default accepts the whole window.
     """
 
+    uses_sampling_params = False
+
     def __init__(
         self,
         pools: MemoryPools,

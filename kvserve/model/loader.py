@@ -1,0 +1,77 @@
+"""Load a local Hugging Face checkpoint folder (config.json, *.safetensors, tokenizer).
+
+No network access: transformers is asked for local files only.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from kvserve.model.config import ModelConfig, ModelLoadError
+from kvserve.model.layers import CausalLM, RotaryEmbedding
+
+
+def load_config(model_dir: str | Path) -> ModelConfig:
+    """Raises ModelLoadError for a missing folder or config, or an unsupported architecture."""
+    from transformers import AutoConfig
+
+    path = Path(model_dir)
+    if not path.is_dir():
+        raise ModelLoadError(f"model folder {path} does not exist")
+    if not (path / "config.json").is_file():
+        raise ModelLoadError(f"{path} has no config.json")
+    try:
+        hf = AutoConfig.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError, KeyError) as err:
+        raise ModelLoadError(f"cannot read {path / 'config.json'}: {err}") from err
+    return ModelConfig.from_hf(hf)
+
+
+def build_model(config: ModelConfig, device: str | torch.device = "cpu",
+                dtype: torch.dtype = torch.float32) -> CausalLM:
+    """A model with uninitialised weights on ``device`` (rotary tables computed)."""
+    with torch.device("meta"):
+        model = CausalLM(config)
+    model = model.to_empty(device=device).to(dtype)
+    model.model.rotary_emb = RotaryEmbedding(config).to(device)  # float32, not meta
+    return model.eval()
+
+
+def load_model(model_dir: str | Path, device: str | torch.device = "cpu",
+               dtype: torch.dtype = torch.float32) -> tuple[CausalLM, ModelConfig]:
+    """Model and config from a checkpoint folder.
+
+    Raises ModelLoadError for a missing folder, config or weights, an unsupported
+    architecture, and missing, unexpected or wrongly shaped tensors.
+    """
+    from safetensors.torch import load_file
+
+    config = load_config(model_dir)
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"{model_dir} has no *.safetensors weights")
+    state: dict[str, torch.Tensor] = {}
+    for file in files:
+        state.update(load_file(str(file), device="cpu"))
+    if config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    model = build_model(config, device, dtype)
+    expected = model.state_dict()
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    wrong = sorted(k for k in set(expected) & set(state) if expected[k].shape != state[k].shape)
+    if missing or unexpected or wrong:
+        details = []
+        if missing:
+            details.append(f"missing {missing[:5]}")
+        if unexpected:
+            details.append(f"unexpected {unexpected[:5]}")
+        for k in wrong[:5]:
+            details.append(f"{k}: checkpoint {tuple(state[k].shape)}, model "
+                           f"{tuple(expected[k].shape)}")
+        raise ModelLoadError(f"weights of {model_dir} do not fit {config.architecture}: "
+                             + "; ".join(details))
+    model.load_state_dict(state, strict=True)
+    return model, config

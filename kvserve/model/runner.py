@@ -1,0 +1,93 @@
+"""``ModelRunner``: the real model behind the scheduler's ``ForwardBatch`` interface."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from kvserve.mem.allocator import TokenToKVPoolAllocator
+from kvserve.mem.kv_buffer import MHATokenToKVPool
+from kvserve.mem.pools import MemoryPools
+from kvserve.mem.req_to_token import ReqToTokenPool
+from kvserve.model.attention import TorchPagedAttention
+from kvserve.model.config import ModelConfig
+from kvserve.model.layers import CausalLM
+from kvserve.model.loader import load_model
+from kvserve.model.sampler import sample
+from kvserve.sched.batch import ForwardBatch, ModelOutput
+
+
+def make_pools(config: ModelConfig, max_total_tokens: int, page_size: int, max_requests: int,
+               context_len: int, device: str | torch.device, dtype: torch.dtype) -> MemoryPools:
+    """Rows, allocator and KV buffers sized for ``config`` (``max_total_tokens`` slots)."""
+    return MemoryPools(
+        req_to_token_pool=ReqToTokenPool(max_requests, context_len, page_size, device=device),
+        allocator=TokenToKVPoolAllocator(max_total_tokens, page_size),
+        kv_buffer=MHATokenToKVPool(max_total_tokens, page_size, config.num_layers,
+                                   config.num_kv_heads, config.head_dim, dtype, device),
+    )
+
+
+class ModelRunner:
+    """Runs a ``CausalLM`` over the paged KV pool and samples the next tokens.
+
+    ``forward`` returns one token for each request whose prompt (or chunk) reaches
+    its end, none for a request mid chunked prefill. ``last_logits`` keeps the
+    float32 logits of the sampled positions of the last call ([sampled, vocab]).
+    """
+
+    uses_sampling_params = True
+
+    def __init__(self, model: CausalLM, config: ModelConfig, pools: MemoryPools,
+                 seed: int = 0) -> None:
+        if pools.kv_buffer is None:
+            raise ValueError("ModelRunner needs pools with a KV buffer (see make_pools)")
+        self.model = model
+        self.config = config
+        self.pools = pools
+        self.attention = TorchPagedAttention(pools.kv_buffer, pools.req_to_token_pool.req_to_token)
+        self.device = pools.kv_buffer.k_buffers[0].device
+        self.generator = torch.Generator(device=self.device).manual_seed(seed)
+        self.last_logits: torch.Tensor | None = None
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str | Path, max_total_tokens: int, page_size: int,
+                        max_requests: int, context_len: int, device: str = "cpu",
+                        dtype: torch.dtype = torch.float32) -> ModelRunner:
+        model, config = load_model(model_dir, device, dtype)
+        pools = make_pools(config, max_total_tokens, page_size, max_requests, context_len,
+                           device, dtype)
+        return cls(model, config, pools)
+
+    @torch.inference_mode()
+    def hidden_states(self, batch: ForwardBatch) -> torch.Tensor:
+        """Final hidden states of every input token, [tokens, hidden]; writes their KV."""
+        if batch.speculative:
+            raise NotImplementedError("the model runner has no draft model for speculation")
+        view = self.attention.prepare(batch)
+        return self.model(batch.input_ids.to(self.device), batch.positions.to(self.device),
+                          self.attention, view)
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch) -> ModelOutput:
+        hidden = self.hidden_states(batch)
+        new_lens = batch.seq_lens - batch.prefix_lens
+        last = torch.cumsum(new_lens, 0) - 1
+        sample_mask = batch.sample.to(torch.bool)
+        wanted = last[sample_mask.cpu()].to(self.device).long()
+        result: list[list[int]] = [[] for _ in range(batch.batch_size)]
+        if wanted.numel() == 0:
+            return ModelOutput(result)
+        logits = self.model.logits(hidden[wanted])
+        self.last_logits = logits
+        params = batch.sampling
+        if params is None:
+            tokens = logits.argmax(dim=-1)
+        else:
+            picked = sample_mask.cpu()
+            sub = type(params)(*(getattr(params, f)[picked] for f in params.__dataclass_fields__))
+            tokens = sample(logits, sub, batch.seq_lens[picked].long(), self.generator)
+        for i, token in zip(sample_mask.nonzero()[:, 0].tolist(), tokens.tolist(), strict=True):
+            result[i] = [int(token)]
+        return ModelOutput(result)
