@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -50,6 +51,8 @@ class ModelRunner:
         self.device = pools.kv_buffer.k_buffers[0].device
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.last_logits: torch.Tensor | None = None
+        # Tests: called with (batch, float32 logits of every input token) each forward.
+        self.capture_logits: Callable[[ForwardBatch, torch.Tensor], None] | None = None
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path, max_total_tokens: int, page_size: int,
@@ -72,6 +75,8 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> ModelOutput:
         hidden = self.hidden_states(batch)
+        if self.capture_logits is not None:
+            self.capture_logits(batch, self.model.logits(hidden))
         new_lens = batch.seq_lens - batch.prefix_lens
         last = torch.cumsum(new_lens, 0) - 1
         sample_mask = batch.sample.to(torch.bool)
