@@ -63,7 +63,58 @@ def build_parser() -> argparse.ArgumentParser:
     steady.add_argument("--cached-tokens", type=_non_negative, default=0,
                         help="extra tokens cached in the tree before the run")
     steady.add_argument("--steps", type=_positive, default=200, help="measured decode steps")
+    init = commands.add_parser(
+        "init-model", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        help="write a random-weight checkpoint (config, safetensors, tokenizer)",
+    )
+    init.add_argument("dir", help="output folder")
+    init.add_argument("--shape", required=True,
+                      choices=["tiny-llama", "tiny-qwen2", "tiny-qwen3", "qwen2.5-0.5b",
+                               "llama3-8b"])
+    init.add_argument("--seed", type=_non_negative, default=0)
+    init.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    gen = commands.add_parser(
+        "generate", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        help="print the completion of a prompt",
+    )
+    gen.add_argument("prompt")
+    gen.add_argument("--model", help="HF checkpoint folder (default: the tiny random model)")
+    gen.add_argument("--max-new-tokens", type=_non_negative, default=32)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--seed", type=_non_negative, default=None)
+    gen.add_argument("--device", default=None)
     return parser
+
+
+def _init_model(args: argparse.Namespace) -> int:
+    import torch
+
+    from kvserve.model.init import init_model
+
+    path = init_model(args.dir, args.shape, args.seed, getattr(torch, args.dtype))
+    print(f"wrote {args.shape} (random weights, seed {args.seed}) to {path}")
+    return 0
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from kvserve.engine import Engine
+    from kvserve.model.config import ModelLoadError
+    from kvserve.sched.req import RequestRejected
+
+    try:
+        with Engine(model_path=args.model, device=args.device) as engine:
+            out = engine.generate(prompt=args.prompt, sampling_params={
+                "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
+                "seed": args.seed})
+    except (ModelLoadError, RequestRejected) as err:
+        print(f"kvserve: {err}", file=sys.stderr)
+        return 2
+    assert not isinstance(out, list)
+    print(out.text)
+    print(f"[{out.finish_reason}; prompt_tokens={out.prompt_tokens} "
+          f"completion_tokens={out.completion_tokens} cached_tokens={out.cached_tokens}]",
+          file=sys.stderr)
+    return 0
 
 
 def _bench_replay(args: argparse.Namespace) -> int:
@@ -122,6 +173,10 @@ def _bench_prefix_cache(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "init-model":
+        return _init_model(args)
+    if args.command == "generate":
+        return _generate(args)
     handlers = {
         "prefix-cache": _bench_prefix_cache,
         "replay": _bench_replay,

@@ -26,6 +26,7 @@ class SamplingParams:
 
     max_new_tokens: int = 128
     stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()  # stop strings, matched by the engine on a tail decode
     ignore_eos: bool = False
     temperature: float = 1.0  # 0 = greedy
     top_p: float = 1.0
@@ -40,6 +41,8 @@ class SamplingParams:
                                   f"{self.max_new_tokens!r}")
         if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
             raise RequestRejected("stop_token_ids must be non-negative integers")
+        if not all(isinstance(s, str) and s for s in self.stop):
+            raise RequestRejected("stop strings must be non-empty strings")
         if not self.temperature >= 0:
             raise RequestRejected(f"temperature must be >= 0, got {self.temperature!r}")
         if not 0 < self.top_p <= 1:
@@ -63,6 +66,7 @@ class FinishReason:
     kind: FinishKind
     message: str = ""
     matched_token: int | None = None
+    matched_stop: str | None = None  # the stop string that ended the output
 
 
 OOM_MESSAGE = "out of memory even after retracting all other requests"

@@ -196,6 +196,9 @@ class Scheduler:
         self.stats = SchedulerStats()
         self.last_report: CheckReport | None = None
         self.on_admitted: Callable[[list[Req]], None] | None = None
+        # req -> the stop string its output now contains, if any. Set by the engine,
+        # which owns the tokenizer (checked after every appended token).
+        self.stop_string_matcher: Callable[[Req], str | None] | None = None
         self.on_launch: Callable[[ScheduleBatch], None] | None = None
         self._batch_ids = itertools.count(1)
         self._rids = itertools.count()
@@ -594,7 +597,8 @@ class Scheduler:
                 raise ValueError(f"model returned {len(tokens)} tokens for {req.rid} in "
                                  "decode") from None
             out = req.output_ids
-            if token in req.stop_ids or len(out) + 1 >= req.max_output_len:
+            if (token in req.stop_ids or len(out) + 1 >= req.max_output_len
+                    or req.sampling.stop):
                 self._append_tokens(req, tokens, commit=True)
                 continue
             kv = req.kv
@@ -629,12 +633,12 @@ class Scheduler:
         reason: FinishReason | None = None
         for token in tokens:
             kept.append(token)
-            reason = self._finish_reason(req, token, len(kept))
+            req.output_ids.append(token)
+            reason = self._finish_reason(req, token)
             if reason is not None:
                 break
         if commit:
             commit_kv(req, len(kept))
-        req.output_ids += kept
         if reason is not None:
             self._finish(req, reason, insert=True, new_tokens=kept)
             return False
@@ -642,13 +646,18 @@ class Scheduler:
             self._emit(req, kept)
         return True
 
-    def _finish_reason(self, req: Req, token: int, new_tokens: int) -> FinishReason | None:
+    def _finish_reason(self, req: Req, token: int) -> FinishReason | None:
+        """Why ``req`` finishes now that ``token`` was appended to its output, if it does."""
         sampling = req.sampling
         if token in req.stop_ids:
             return FinishReason(FinishKind.STOP, matched_token=token)
-        if len(req.output_ids) + new_tokens >= sampling.max_new_tokens:
+        if sampling.stop and self.stop_string_matcher is not None:
+            matched = self.stop_string_matcher(req)
+            if matched is not None:
+                return FinishReason(FinishKind.STOP, matched_stop=matched)
+        if len(req.output_ids) >= sampling.max_new_tokens:
             return FinishReason(FinishKind.LENGTH)
-        if req.seq_len + new_tokens >= self.config.context_len:
+        if req.seq_len >= self.config.context_len:
             return FinishReason(FinishKind.LENGTH, "context length reached")
         return None
 

@@ -1,0 +1,144 @@
+"""The Engine API end to end on a tiny random checkpoint (CPU, checker strict)."""
+
+import threading
+
+import pytest
+from transformers import AutoTokenizer
+
+from kvserve import Engine, SamplingParams
+from kvserve.cli import main
+from kvserve.model.config import ModelLoadError
+from kvserve.model.init import init_model
+from kvserve.sched.req import RequestRejected
+
+PROMPT = "Hello world! The quick brown fox"
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return init_model(tmp_path_factory.mktemp("m") / "tiny-qwen2", "tiny-qwen2")
+
+
+@pytest.fixture(scope="module")
+def engine(ckpt):
+    with Engine(model_path=ckpt, page_size=4, chunked_prefill_size=8,
+                strict_checks=True) as e:
+        yield e
+
+
+def pools_full(e):
+    s = e.scheduler
+    alloc = s.pools.allocator
+    return s.is_idle and alloc.available_size() + s.tree_cache.evictable_size() == alloc.size
+
+
+def test_generate_returns_text_ids_and_usage(engine):
+    out = engine.generate(prompt=PROMPT, sampling_params={"max_new_tokens": 12,
+                                                          "temperature": 0})
+    ids = engine.tokenizer.encode(PROMPT)
+    assert out.prompt_tokens == len(ids) and out.completion_tokens == 12 == len(out.output_ids)
+    assert out.finish_reason == "length"
+    assert out.text == engine.tokenizer.decode(out.output_ids, skip_special_tokens=True)
+    again = engine.generate(input_ids=ids, sampling_params=SamplingParams(max_new_tokens=12,
+                                                                          temperature=0))
+    assert again.output_ids == out.output_ids
+    assert again.cached_tokens == (len(ids) - 1) // 4 * 4
+    assert pools_full(engine)
+
+
+def test_many_prompts_and_seeded_sampling(engine):
+    params = {"max_new_tokens": 6, "temperature": 0.9, "seed": 11}
+    batch = engine.generate(prompt=["a b c", PROMPT, "x"], sampling_params=params)
+    alone = engine.generate(prompt=PROMPT, sampling_params=params)
+    assert [len(o.output_ids) for o in batch] == [6, 6, 6]
+    assert batch[1].output_ids == alone.output_ids  # a seed gives the same tokens in any batch
+
+
+def test_stream_deltas_add_up_and_end_with_the_reason(engine):
+    chunks = list(engine.generate_stream(prompt=PROMPT,
+                                         sampling_params={"max_new_tokens": 10}))
+    assert len(chunks) == 10 and chunks[-1].finish_reason == "length"
+    assert all(c.finish_reason is None for c in chunks[:-1])
+    assert "".join(c.delta for c in chunks) == chunks[-1].text
+
+
+def test_stop_string_cuts_the_reply_and_nothing_past_it_is_counted(engine):
+    full = engine.generate(prompt=PROMPT, sampling_params={"max_new_tokens": 16,
+                                                           "temperature": 0})
+    stop = full.text[6:9]
+    assert stop and full.text.find(stop) == 6
+    out = engine.generate(prompt=PROMPT, sampling_params={"max_new_tokens": 16,
+                                                          "temperature": 0, "stop": [stop]})
+    assert out.finish_reason == "stop" and out.text == full.text[:6]
+    decoded = engine.tokenizer.decode(out.output_ids, skip_special_tokens=True)
+    assert stop in decoded and stop not in engine.tokenizer.decode(out.output_ids[:-1])
+    assert out.completion_tokens == len(out.output_ids) < 16
+    assert pools_full(engine)
+
+
+def test_abort_from_another_thread_while_streaming(engine):
+    stream = engine.generate_stream(prompt="x", rid="long",
+                                    sampling_params={"max_new_tokens": 400,
+                                                     "ignore_eos": True})
+    first = next(stream)
+    assert first.finish_reason is None
+    threading.Thread(target=engine.abort, args=("long",)).start()
+    last = list(stream)[-1]
+    assert last.finish_reason == "abort" and len(last.output_ids) < 400
+    engine.abort("long")  # finished: a no-op
+    engine.abort("never-seen")
+    assert engine.generate(prompt="ok", sampling_params={"max_new_tokens": 2}).output_ids
+    assert pools_full(engine)
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({}, "exactly one of prompt or input_ids"),
+    ({"prompt": "a", "input_ids": [1]}, "exactly one of prompt or input_ids"),
+    ({"input_ids": []}, "non-empty"),
+    ({"prompt": "a", "sampling_params": {"temperature": -1}}, "temperature"),
+    ({"prompt": "a", "sampling_params": {"top_p": 0}}, "top_p"),
+    ({"prompt": "a", "sampling_params": {"top_k": 0}}, "top_k"),
+    ({"prompt": "a", "sampling_params": {"bogus": 1}}, "unknown sampling parameters"),
+    ({"input_ids": [1] * 9000}, "context limit"),
+    ({"prompt": ""}, "empty prompt"),
+])
+def test_bad_input_is_rejected_and_the_engine_keeps_serving(engine, kwargs, message):
+    with pytest.raises(RequestRejected, match=message):
+        engine.generate(**kwargs)
+    assert engine.generate(prompt="ok", sampling_params={"max_new_tokens": 1}).output_ids
+    assert pools_full(engine)
+
+
+def test_shut_down_engine_refuses_work(ckpt):
+    e = Engine(model_path=ckpt)
+    e.shutdown()
+    with pytest.raises(RuntimeError, match="shut down"):
+        e.generate(prompt="a")
+
+
+def test_loader_errors(tmp_path, ckpt):
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        Engine(model_path=tmp_path / "nope")
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "config.json").write_text('{"architectures": ["GPT2LMHeadModel"], '
+                                                  '"model_type": "gpt2"}')
+    with pytest.raises(ModelLoadError, match="unsupported architecture"):
+        Engine(model_path=tmp_path / "bad")
+
+
+def test_init_model_is_deterministic_and_loads_in_transformers(tmp_path, capsys):
+    assert main(["init-model", str(tmp_path / "a"), "--shape", "tiny-qwen3", "--seed", "4"]) == 0
+    assert main(["init-model", str(tmp_path / "b"), "--shape", "tiny-qwen3", "--seed", "4"]) == 0
+    a = (tmp_path / "a" / "model.safetensors").read_bytes()
+    assert a == (tmp_path / "b" / "model.safetensors").read_bytes()
+    tok = AutoTokenizer.from_pretrained(tmp_path / "a")
+    assert tok.decode(tok.encode("héllo, wörld")) == "héllo, wörld"
+    assert "random weights" in capsys.readouterr().out
+
+
+def test_generate_cli(ckpt, capsys):
+    assert main(["generate", "Hello", "--model", str(ckpt), "--max-new-tokens", "4"]) == 0
+    captured = capsys.readouterr()
+    assert "completion_tokens=4" in captured.err and captured.out
+    assert main(["generate", "Hello", "--model", "/nonexistent/model"]) == 2
+    assert "does not exist" in capsys.readouterr().err
