@@ -83,6 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--seed", type=_non_negative, default=None)
     gen.add_argument("--device", default=None)
+    gen.add_argument("--attention-backend", choices=["auto", "torch", "triton"], default="auto")
     return parser
 
 
@@ -102,7 +103,8 @@ def _generate(args: argparse.Namespace) -> int:
     from kvserve.sched.req import RequestRejected
 
     try:
-        with Engine(model_path=args.model, device=args.device) as engine:
+        with Engine(model_path=args.model, device=args.device,
+                    attention_backend=args.attention_backend) as engine:
             out = engine.generate(prompt=args.prompt, sampling_params={
                 "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
                 "seed": args.seed})

@@ -64,6 +64,7 @@ class Engine:
             scheduler limits (see ``SchedulerConfig``).
         device: "cpu" or "cuda" (default: cuda when available); dtype: default float32
             on CPU, bfloat16 on GPU.
+        attention_backend: "auto" (Triton on CUDA, else torch), "torch" or "triton".
     """
 
     def __init__(
@@ -80,6 +81,7 @@ class Engine:
         schedule_policy: str = "fcfs",
         strict_checks: bool = False,
         seed: int = 0,
+        attention_backend: str = "auto",
     ) -> None:
         from transformers import AutoTokenizer
 
@@ -100,7 +102,8 @@ class Engine:
         max_total_tokens = max_total_tokens or max(context_len * 4, 65536)
         pools = make_pools(config, max_total_tokens, page_size, max_running_requests,
                            context_len, device, dtype)  # type: ignore[arg-type]
-        self.runner = ModelRunner(model, config, pools, seed=seed)
+        self.runner = ModelRunner(model, config, pools, seed=seed,
+                                  attention_backend=attention_backend)
         self.tokenizer = AutoTokenizer.from_pretrained(model_path, local_files_only=True)
         self.scheduler = Scheduler(
             SchedulerConfig(

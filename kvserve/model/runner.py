@@ -18,6 +18,24 @@ from kvserve.model.loader import load_model
 from kvserve.model.sampler import sample
 from kvserve.sched.batch import ForwardBatch, ModelOutput
 
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
+
+
+def resolve_backend(name: str, device: torch.device) -> str:
+    """"auto" picks Triton on CUDA when it imports, else the torch reference backend.
+    "triton" on CPU needs ``TRITON_INTERPRET=1`` (slow; for tests). Raises ValueError."""
+    if name not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention backend must be one of {ATTENTION_BACKENDS}, got {name!r}")
+    if name != "auto":
+        return name
+    if device.type == "cuda":
+        try:
+            import triton  # noqa: F401
+        except ImportError:
+            return "torch"
+        return "triton"
+    return "torch"
+
 
 def make_pools(config: ModelConfig, max_total_tokens: int, page_size: int, max_requests: int,
                context_len: int, device: str | torch.device, dtype: torch.dtype) -> MemoryPools:
@@ -41,14 +59,22 @@ class ModelRunner:
     uses_sampling_params = True
 
     def __init__(self, model: CausalLM, config: ModelConfig, pools: MemoryPools,
-                 seed: int = 0) -> None:
+                 seed: int = 0, attention_backend: str = "auto") -> None:
         if pools.kv_buffer is None:
             raise ValueError("ModelRunner needs pools with a KV buffer (see make_pools)")
         self.model = model
         self.config = config
         self.pools = pools
-        self.attention = TorchPagedAttention(pools.kv_buffer, pools.req_to_token_pool.req_to_token)
         self.device = pools.kv_buffer.k_buffers[0].device
+        self.attention_backend = resolve_backend(attention_backend, self.device)
+        table = pools.req_to_token_pool.req_to_token
+        if self.attention_backend == "triton":
+            from kvserve.model.triton_attention import TritonPagedAttention
+
+            self.attention: TorchPagedAttention = TritonPagedAttention(  # type: ignore[assignment]
+                pools.kv_buffer, table)
+        else:
+            self.attention = TorchPagedAttention(pools.kv_buffer, table)
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.last_logits: torch.Tensor | None = None
         # Tests: called with (batch, float32 logits of every input token) each forward.
@@ -57,11 +83,12 @@ class ModelRunner:
     @classmethod
     def from_pretrained(cls, model_dir: str | Path, max_total_tokens: int, page_size: int,
                         max_requests: int, context_len: int, device: str = "cpu",
-                        dtype: torch.dtype = torch.float32) -> ModelRunner:
+                        dtype: torch.dtype = torch.float32,
+                        attention_backend: str = "auto") -> ModelRunner:
         model, config = load_model(model_dir, device, dtype)
         pools = make_pools(config, max_total_tokens, page_size, max_requests, context_len,
                            device, dtype)
-        return cls(model, config, pools)
+        return cls(model, config, pools, attention_backend=attention_backend)
 
     @torch.inference_mode()
     def hidden_states(self, batch: ForwardBatch) -> torch.Tensor:
