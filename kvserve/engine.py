@@ -20,7 +20,7 @@ import queue
 import sys
 import threading
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -47,10 +47,21 @@ class GenerateOutput:
     delta: str = ""  # streaming: text new since the previous chunk
 
 
-@dataclass
-class _Pending:
-    req_args: dict[str, Any]
-    outbox: queue.Queue[ReqOutput | Exception] = field(default_factory=queue.Queue)
+def _default_pool_tokens(config: Any, device: str, dtype: torch.dtype, context_len: int,
+                         mem_fraction: float) -> int:
+    """KV pool size in tokens: on CUDA what ``mem_fraction`` of the device memory leaves
+    after the (already loaded) weights; on CPU four contexts, at least 65,536."""
+    if not device.startswith("cuda"):
+        return max(context_len * 4, 65536)
+    free, total = torch.cuda.mem_get_info()
+    budget = free - (1 - mem_fraction) * total
+    per_token = (config.num_layers * 2 * config.num_kv_heads * config.head_dim
+                 * torch.tensor([], dtype=dtype).element_size())
+    tokens = int(budget // per_token)
+    if tokens < context_len:
+        raise RuntimeError(f"only {tokens} KV tokens fit in {mem_fraction:.0%} of the device "
+                           f"memory; lower the context length or raise mem_fraction_static")
+    return tokens
 
 
 class Engine:
@@ -65,6 +76,9 @@ class Engine:
         device: "cpu" or "cuda" (default: cuda when available); dtype: default float32
             on CPU, bfloat16 on GPU.
         attention_backend: "auto" (Triton on CUDA, else torch), "torch" or "triton".
+        mem_fraction_static: on CUDA without ``max_total_tokens``, the share of the
+            device memory (weights included) the engine may use; the KV pool gets what
+            the weights leave of it.
     """
 
     def __init__(
@@ -82,6 +96,7 @@ class Engine:
         strict_checks: bool = False,
         seed: int = 0,
         attention_backend: str = "auto",
+        mem_fraction_static: float = 0.85,
     ) -> None:
         from transformers import AutoTokenizer
 
@@ -99,7 +114,9 @@ class Engine:
         dtype = dtype or (torch.bfloat16 if device.startswith("cuda") else torch.float32)
         model, config = load_model(model_path, device, dtype)  # type: ignore[arg-type]
         context_len = context_len or min(config.max_position_embeddings, 8192)
-        max_total_tokens = max_total_tokens or max(context_len * 4, 65536)
+        if max_total_tokens is None:
+            max_total_tokens = _default_pool_tokens(config, device, dtype,  # type: ignore[arg-type]
+                                                    context_len, mem_fraction_static)
         pools = make_pools(config, max_total_tokens, page_size, max_running_requests,
                            context_len, device, dtype)  # type: ignore[arg-type]
         self.runner = ModelRunner(model, config, pools, seed=seed,
