@@ -212,7 +212,10 @@ class Engine:
             raise RuntimeError(f"engine loop died: {self._error!r}")
         sampling = self._sampling(params)
         rid = rid or f"gen-{next(self._rids)}"
+        if rid in self._outboxes:
+            raise RequestRejected(f"duplicate request id {rid!r}")
         outbox: queue.Queue[ReqOutput | Exception] = queue.Queue()
+        self._outboxes[rid] = outbox
         self._inbox.put(("add", (rid, ids, sampling, outbox)))
         return rid
 
@@ -236,26 +239,31 @@ class Engine:
         return sampling
 
     def _stream(self, rid: str) -> Iterator[GenerateOutput]:
-        outbox = self._wait_outbox(rid)
+        outbox = self._outboxes[rid]
         ids: list[int] = []
         sent = ""
-        while True:
-            item = outbox.get()
-            if isinstance(item, Exception):
-                raise item
-            ids += item.new_token_ids
-            reason = item.finished_reason
-            text = self._text(ids, reason)
-            visible = text if reason is not None else text.rstrip("\ufffd")
-            delta, sent = visible[len(sent):], visible
-            yield GenerateOutput(
-                rid, visible, list(ids), reason.kind.value if reason else None,
-                reason.message if reason else "", item.prompt_tokens, item.cached_tokens,
-                item.completion_tokens, delta,
-            )
-            if reason is not None:
-                self._outboxes.pop(rid, None)
-                return
+        finished = False
+        try:
+            while not finished:
+                item = outbox.get()
+                if isinstance(item, Exception):
+                    finished = True
+                    raise item
+                ids += item.new_token_ids
+                reason = item.finished_reason
+                finished = reason is not None
+                text = self._text(ids, reason)
+                visible = text if finished else text.rstrip("\ufffd")
+                delta, sent = visible[len(sent):], visible
+                yield GenerateOutput(
+                    rid, visible, list(ids), reason.kind.value if reason else None,
+                    reason.message if reason else "", item.prompt_tokens, item.cached_tokens,
+                    item.completion_tokens, delta,
+                )
+        finally:
+            if not finished:  # the reader walked away: stop the request
+                self.abort(rid)
+            self._outboxes.pop(rid, None)
 
     def _collect(self, rid: str) -> GenerateOutput:
         last = None
@@ -264,13 +272,6 @@ class Engine:
         assert last is not None
         last.delta = ""
         return last
-
-    def _wait_outbox(self, rid: str) -> queue.Queue[ReqOutput | Exception]:
-        while rid not in self._outboxes:
-            if self._error is not None:
-                raise RuntimeError(f"engine loop died: {self._error!r}")
-            threading.Event().wait(0.001)
-        return self._outboxes[rid]
 
     def _text(self, ids: list[int], reason: Any) -> str:
         text = str(self.tokenizer.decode(ids, skip_special_tokens=True))
@@ -322,13 +323,9 @@ class Engine:
             return
         rid, ids, sampling, outbox = arg
         try:
-            req = self.scheduler.add_request(ids, sampling, rid=rid)
+            self.scheduler.add_request(ids, sampling, rid=rid)
         except RequestRejected as err:
-            self._outboxes[rid] = outbox
             outbox.put(err)
-            return
-        self._outboxes[rid] = outbox
-        del req
 
     def _abort_all(self, message: str) -> None:
         """Shutdown: release every live request (the loop stops stepping) and tell waiters."""

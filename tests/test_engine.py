@@ -142,3 +142,27 @@ def test_generate_cli(ckpt, capsys):
     assert "completion_tokens=4" in captured.err and captured.out
     assert main(["generate", "Hello", "--model", "/nonexistent/model"]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_a_stream_abandoned_midway_aborts_its_request(engine):
+    stream = engine.generate_stream(prompt="x", sampling_params={"max_new_tokens": 300,
+                                                                 "ignore_eos": True})
+    next(stream)
+    stream.close()  # the reader walked away
+    assert engine.generate(prompt="ok", sampling_params={"max_new_tokens": 1}).output_ids
+    import time
+
+    for _ in range(200):
+        if pools_full(engine):
+            break
+        time.sleep(0.01)
+    assert pools_full(engine)
+
+
+def test_duplicate_rid_in_flight_is_rejected(engine):
+    stream = engine.generate_stream(prompt="x", rid="dup", sampling_params={
+        "max_new_tokens": 300, "ignore_eos": True})
+    next(stream)
+    with pytest.raises(RequestRejected, match="duplicate request id 'dup'"):
+        engine.generate(prompt="y", rid="dup")
+    stream.close()
