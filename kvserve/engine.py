@@ -306,11 +306,11 @@ class Engine:
                         command, arg = self._inbox.get_nowait()
                     except queue.Empty:
                         command = None
-                if not sched.is_idle:
-                    for out in sched.step():
-                        box = self._outboxes.get(out.rid)
-                        if box is not None:
-                            box.put(out)
+                outputs = sched.step() if not sched.is_idle else sched.take_outputs()
+                for out in outputs:
+                    box = self._outboxes.get(out.rid)
+                    if box is not None:
+                        box.put(out)
         except BaseException as err:  # report to every waiting caller instead of hanging
             self._error = err
             for box in self._outboxes.values():

@@ -52,8 +52,9 @@ class NewTokenRatio:
 
 
 def remaining_new_tokens(req: Req) -> int:
-    """Tokens the request may still generate, clipped as SGLang clips estimates."""
-    return min(max(req.sampling.max_new_tokens - len(req.output_ids), 0), CLIP_MAX_NEW_TOKENS)
+    """Tokens the request may still generate: ``max_new_tokens`` capped by the context
+    limit (``Req.max_output_len``), less what it generated, clipped to 4096 (SGLang)."""
+    return min(max(req.max_output_len - len(req.output_ids), 0), CLIP_MAX_NEW_TOKENS)
 
 
 class AddResult(enum.Enum):
@@ -76,7 +77,8 @@ class PrefillAdder:
     ) -> None:
         self.tree_cache = tree_cache
         self.page_size = tree_cache.page_size
-        self.offset = sum(int(remaining_new_tokens(r) * new_token_ratio) for r in running)
+        # tokens held back for what running requests will still decode (a float, as SGLang)
+        self.offset: float = sum(remaining_new_tokens(r) * new_token_ratio for r in running)
         self.rem_input_tokens = max_prefill_tokens
         self.rem_chunk_tokens = chunked_prefill_size
         self.new_slots = max_new_requests
@@ -85,7 +87,7 @@ class PrefillAdder:
         self.new_chunked_req: Req | None = None
 
     @property
-    def rem_total_tokens(self) -> int:
+    def rem_total_tokens(self) -> float:
         pools = self.tree_cache.pools
         return pools.allocator.available_size() + self.tree_cache.evictable_size() - self.offset
 

@@ -267,7 +267,6 @@ class Scheduler:
     def step(self) -> list[ReqOutput]:
         """One scheduler iteration; returns what each touched request produced."""
         start = time.perf_counter()
-        self._outputs = []
         model_seconds = 0.0
         self.process_pending_chunked_abort()
         batch = self.get_next_batch_to_run()
@@ -289,7 +288,13 @@ class Scheduler:
         stats.model_seconds.append(model_seconds)
         stats.decode_step.append(batch is not None and batch.forward_mode is ForwardMode.DECODE)
         stats.checker_seconds.append(self._run_checker())
-        return self._outputs
+        return self.take_outputs()
+
+    def take_outputs(self) -> list[ReqOutput]:
+        """Outputs produced since the last call (``step`` returns them too; an abort of a
+        waiting request between steps produces one without a step)."""
+        outputs, self._outputs = self._outputs, []
+        return outputs
 
     def run_until_idle(self, max_steps: int = 100_000) -> list[ReqOutput]:
         """Step until no request is live. Raises SchedulerStuck when a step changes
@@ -459,6 +464,14 @@ class Scheduler:
             target = ceil_page(kv.committed_len + spec.reserve, page_size)
         return max(num_pages(target, page_size) - len(kv.page_ids), 0)
 
+    def _make_room(self, num_pages: int) -> bool:
+        """Evict the shortfall of ``num_pages`` free pages; True when they are free."""
+        alloc = self.pools.allocator
+        short = num_pages - alloc.available_pages()
+        if short > 0:
+            self.tree_cache.evict(short * alloc.page_size)
+        return num_pages <= alloc.available_pages()
+
     def _check_decode_mem(self) -> bool:
         """Make room for one decode step: evict the shortfall from the cache, then
         retract (SGLang's order: fewest output tokens first, then longest prompt).
@@ -470,15 +483,14 @@ class Scheduler:
                        if r.kv.committed_len >= len(r.kv.page_ids) * page_size)
         else:
             need = sum(self._decode_pages_needed(r) for r in self.running)
-        if need <= alloc.available_pages():
-            return False
-        self.tree_cache.evict((need - alloc.available_pages()) * alloc.page_size)
-        if need <= alloc.available_pages():
+        if self._make_room(need):
             return False
         order = sorted(self.running, key=lambda r: (len(r.output_ids), -len(r.prompt_ids)),
                        reverse=True)
         retracted = False
-        while need > alloc.available_pages():
+        # A victim's pages may go to the cache (its prompt was inserted after prefill):
+        # evict again after each one before deciding another is needed (as SGLang).
+        while not self._make_room(need):
             if len(self.running) == 1:
                 last = self.running.pop()
                 self._finish(last, FinishReason(FinishKind.ABORT, OOM_MESSAGE), insert=False)
