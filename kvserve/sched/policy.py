@@ -28,8 +28,9 @@ RETRACT_DECODE_STEPS = 20
 
 class NewTokenRatio:
     """How much of their remaining ``max_new_tokens`` running requests are expected
-    to use: init 0.7 x conservativeness, floor 0.14 x init, linear decay to the floor
-    over 600 decode steps, recomputed after a retraction, reset at idle (SGLang)."""
+    to use: init 0.7 x conservativeness, floor 0.14 x init for the decay, linear decay
+    to the floor over 600 decode steps, recomputed after a retraction (which may set it
+    below the floor until decoding raises it back, as in SGLang), reset at idle."""
 
     DECAY_STEPS = 600
 
@@ -44,7 +45,7 @@ class NewTokenRatio:
 
     def on_retract(self, running: Sequence[Req]) -> None:
         decoded = sum(len(r.output_ids) for r in running)
-        max_new = sum(r.sampling.max_new_tokens for r in running)
+        max_new = sum(r.max_output_len for r in running)  # context-capped, as admission
         self.value = min(1.0, (decoded + RETRACT_DECODE_STEPS * len(running)) / (max_new + 1))
 
     def reset(self) -> None:

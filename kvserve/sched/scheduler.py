@@ -300,7 +300,7 @@ class Scheduler:
         """Step until no request is live. Raises SchedulerStuck when a step changes
         nothing while requests wait (nothing else could change it) or after
         ``max_steps`` steps."""
-        outputs: list[ReqOutput] = []
+        outputs: list[ReqOutput] = self.take_outputs()  # e.g. an abort made while waiting
         for _ in range(max_steps):
             if self.is_idle:
                 return outputs

@@ -72,7 +72,9 @@ def test_abort_while_waiting(page_size, chunked):
     h = e.add(PROMPT)
     assert e.abort(h.rid) is AbortStatus.ABORTED
     assert h.finished_reason.kind is FinishKind.ABORT
-    assert e.run_until_idle() == []
+    outputs = e.run_until_idle()  # the abort reply, and nothing else
+    assert [(o.rid, o.new_token_ids, o.finished_reason.kind) for o in outputs] == [
+        (h.rid, [], FinishKind.ABORT)]
     gone(e, h)
 
 

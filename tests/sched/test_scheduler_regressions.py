@@ -94,3 +94,23 @@ def test_engine_abort_of_a_queued_request_returns(tmp_path):
         engine.abort("long")
         long.join(timeout=20)
         assert results["long"].finish_reason == "abort"
+
+
+def test_retract_ratio_uses_the_context_capped_output():
+    def run(max_new):
+        e = ScriptedEngine(page_size=1, num_tokens=160, context_len=64)
+        for i in range(10):
+            e.add([100 + 10 * i + j for j in range(10)], max_new_tokens=max_new)
+        e.run_until_idle()
+        e.assert_idle_and_full()
+        return e.scheduler.stats.retractions, e.scheduler.ratio.value
+
+    assert run(10**6) == run(54)  # scheduling ignores max_new_tokens beyond the context
+
+
+def test_run_until_idle_returns_a_pending_abort_output():
+    e = ScriptedEngine(page_size=1, num_tokens=64)
+    h = e.add([1, 2, 3])
+    e.abort(h.rid)
+    outputs = e.run_until_idle()
+    assert [(o.rid, o.finished_reason.kind) for o in outputs] == [(h.rid, FinishKind.ABORT)]
