@@ -6,7 +6,7 @@ __version__ = "0.1.0"
 
 if TYPE_CHECKING:
     from kvserve.engine import Engine, GenerateOutput
-    from kvserve.sched.req import SamplingParams
+    from kvserve.sched.req import RequestRejected, SamplingParams
 
 
 def __getattr__(name: str) -> Any:
@@ -15,11 +15,11 @@ def __getattr__(name: str) -> Any:
         from kvserve import engine
 
         return getattr(engine, name)
-    if name == "SamplingParams":
-        from kvserve.sched.req import SamplingParams
+    if name in ("SamplingParams", "RequestRejected"):
+        from kvserve.sched import req
 
-        return SamplingParams
+        return getattr(req, name)
     raise AttributeError(name)
 
 
-__all__ = ["Engine", "GenerateOutput", "SamplingParams"]
+__all__ = ["Engine", "GenerateOutput", "RequestRejected", "SamplingParams"]

@@ -1,4 +1,5 @@
-"""The ``kvserve`` command line: ``kvserve bench prefix-cache [TRACE] ...``."""
+"""kvserve command line: benchmarks (bench prefix-cache | replay | decode-steady),
+init-model (random-weight checkpoints) and generate (one completion)."""
 
 from __future__ import annotations
 
@@ -7,18 +8,38 @@ import sys
 from collections.abc import Sequence
 
 
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+def _integer(text: str, low: int, high: int | None = None) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < low or (high is not None and value > high):
+        bound = f">= {low}" if high is None else f"in [{low}, {high}]"
+        raise argparse.ArgumentTypeError(f"must be {bound}, got {value}")
     return value
+
+
+def _positive(text: str) -> int:
+    return _integer(text, 1)
 
 
 def _non_negative(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
+    return _integer(text, 0)
+
+
+def _batch(text: str) -> int:
+    return _integer(text, 1, 4096)
+
+
+def _device(text: str) -> str:
+    """cpu, cuda or cuda:N, checked against this machine."""
+    import torch
+
+    if text != "cpu" and not (text == "cuda" or text.startswith("cuda:")):
+        raise argparse.ArgumentTypeError(f"device must be cpu, cuda or cuda:N, got {text!r}")
+    if text.startswith("cuda") and not torch.cuda.is_available():
+        raise argparse.ArgumentTypeError("no CUDA device on this machine (use --device cpu)")
+    return text
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -57,9 +78,12 @@ def build_parser() -> argparse.ArgumentParser:
         "decode-steady",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         help="W2: scheduler time per step with a batch held in steady decode",
+        description="W2 steady decode with the scripted model: prints the scheduler's "
+        "microseconds per decode step (model call and checker excluded).",
     )
-    steady.add_argument("--batch", type=_positive, default=256)
-    steady.add_argument("--prompt-len", type=_positive, default=512)
+    steady.add_argument("--batch", type=_batch, default=256, help="running requests (<= 4096)")
+    steady.add_argument("--prompt-len", type=lambda t: _integer(t, 1, 8192), default=512,
+                        help="prompt tokens per request (<= 8192)")
     steady.add_argument("--cached-tokens", type=_non_negative, default=0,
                         help="extra tokens cached in the tree before the run")
     steady.add_argument("--steps", type=_positive, default=200, help="measured decode steps")
@@ -70,29 +94,46 @@ def build_parser() -> argparse.ArgumentParser:
     init.add_argument("dir", help="output folder")
     init.add_argument("--shape", required=True,
                       choices=["tiny-llama", "tiny-qwen2", "tiny-qwen3", "qwen2.5-0.5b",
-                               "llama3-8b"])
-    init.add_argument("--seed", type=_non_negative, default=0)
-    init.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+                               "llama3-8b"], help="model shape")
+    init.add_argument("--seed", type=_non_negative, default=0, help="weight seed")
+    init.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
+                      help="weight dtype")
+    init.add_argument("--force", action="store_true",
+                      help="overwrite a checkpoint already in the folder")
     gen = commands.add_parser(
         "generate", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         help="print the completion of a prompt",
     )
-    gen.add_argument("prompt")
-    gen.add_argument("--model", help="HF checkpoint folder (default: the tiny random model)")
-    gen.add_argument("--max-new-tokens", type=_non_negative, default=32)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--seed", type=_non_negative, default=None)
-    gen.add_argument("--device", default=None)
-    gen.add_argument("--attention-backend", choices=["auto", "torch", "triton"], default="auto")
+    gen.add_argument("prompt", help="prompt text")
+    gen.add_argument("--model", help="HF checkpoint folder; without it, a tiny random-weight "
+                     "default model")
+    gen.add_argument("--max-new-tokens", type=_non_negative, default=32,
+                     help="tokens to generate at most")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    gen.add_argument("--seed", type=_non_negative, default=None, help="sampling seed")
+    gen.add_argument("--device", type=_device, default=None,
+                     help="cpu, cuda or cuda:N (default: cuda when available)")
+    gen.add_argument("--attention-backend", choices=["auto", "torch", "triton"], default="auto",
+                     help="triton needs CUDA (or TRITON_INTERPRET=1 on CPU, for tests)")
     return parser
 
 
 def _init_model(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
     import torch
 
     from kvserve.model.init import init_model
 
-    path = init_model(args.dir, args.shape, args.seed, getattr(torch, args.dtype))
+    if (Path(args.dir) / "model.safetensors").exists() and not args.force:
+        print(f"kvserve: {args.dir} already holds a checkpoint (use --force to overwrite)",
+              file=sys.stderr)
+        return 2
+    try:
+        path = init_model(args.dir, args.shape, args.seed, getattr(torch, args.dtype))
+    except OSError as err:
+        print(f"kvserve: cannot write {args.dir}: {err}", file=sys.stderr)
+        return 2
     print(f"wrote {args.shape} (random weights, seed {args.seed}) to {path}")
     return 0
 
@@ -108,7 +149,7 @@ def _generate(args: argparse.Namespace) -> int:
             out = engine.generate(prompt=args.prompt, sampling_params={
                 "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
                 "seed": args.seed})
-    except (ModelLoadError, RequestRejected) as err:
+    except (ModelLoadError, RequestRejected, ValueError) as err:
         print(f"kvserve: {err}", file=sys.stderr)
         return 2
     assert not isinstance(out, list)

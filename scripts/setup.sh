@@ -8,6 +8,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
+if ! "$PY" -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then
+  echo "kvserve needs Python >= 3.11; $PY is $("$PY" -V 2>&1) (set PYTHON=/path/to/python3.11)" >&2
+  exit 1
+fi
 if [ ! -x .venv/bin/python ]; then
   if "$PY" -c "import torch" >/dev/null 2>&1; then
     "$PY" -m venv --system-site-packages .venv

@@ -166,3 +166,19 @@ def test_duplicate_rid_in_flight_is_rejected(engine):
     with pytest.raises(RequestRejected, match="duplicate request id 'dup'"):
         engine.generate(prompt="y", rid="dup")
     stream.close()
+
+
+def test_cli_user_errors_are_messages_not_tracebacks(ckpt, tmp_path, capsys, monkeypatch):
+    import pytest as _pytest
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert main(["generate", "hi", "--model", str(ckpt), "--attention-backend", "triton"]) == 2
+    assert "needs a CUDA device" in capsys.readouterr().err
+    assert main(["init-model", str(ckpt), "--shape", "tiny-qwen2"]) == 2
+    assert "already holds a checkpoint" in capsys.readouterr().err
+    for bad in (["generate", "hi", "--device", "foo"], ["generate", "hi", "--max-new-tokens",
+                                                        "abc"]):
+        with _pytest.raises(SystemExit) as err:
+            main(bad)
+        assert err.value.code == 2
+    assert "not an integer: 'abc'" in capsys.readouterr().err

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -26,6 +27,9 @@ def resolve_backend(name: str, device: torch.device) -> str:
     "triton" on CPU needs ``TRITON_INTERPRET=1`` (slow; for tests). Raises ValueError."""
     if name not in ATTENTION_BACKENDS:
         raise ValueError(f"attention backend must be one of {ATTENTION_BACKENDS}, got {name!r}")
+    if name == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("the triton attention backend needs a CUDA device "
+                         "(or TRITON_INTERPRET=1 on CPU, for tests); use --attention-backend torch")
     if name != "auto":
         return name
     if device.type == "cuda":
