@@ -94,6 +94,7 @@ class Req:
     # finish limits, fixed at add_request: stop when the output reaches max_output_len
     # (max_new_tokens or the context limit) or a token in stop_ids is sampled
     max_output_len: int = 0
+    fast_path_outputs: int = 0
     stop_ids: frozenset[int] = frozenset()
 
     @property

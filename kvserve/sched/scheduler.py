@@ -236,6 +236,8 @@ class Scheduler:
             raise RequestRejected("token ids must be integers in [0, 2**31 - 1]")
         req = Req(rid, prompt, sampling, extra_key)
         req.max_output_len = min(sampling.max_new_tokens, self.config.context_len - len(prompt))
+        # decode's fast path (no finish possible) applies below this output length
+        req.fast_path_outputs = 0 if sampling.stop else req.max_output_len - 1
         stops = set(sampling.stop_token_ids)
         if not sampling.ignore_eos:
             stops.update(self.config.eos_token_ids)
@@ -609,8 +611,7 @@ class Scheduler:
                 raise ValueError(f"model returned {len(tokens)} tokens for {req.rid} in "
                                  "decode") from None
             out = req.output_ids
-            if (token in req.stop_ids or len(out) + 1 >= req.max_output_len
-                    or req.sampling.stop):
+            if token in req.stop_ids or len(out) >= req.fast_path_outputs:
                 self._append_tokens(req, tokens, commit=True)
                 continue
             kv = req.kv
