@@ -45,6 +45,7 @@ class GenerateOutput:
     cached_tokens: int = 0
     completion_tokens: int = 0
     delta: str = ""  # streaming: text new since the previous chunk
+    output_logprobs: list[float] | None = None  # with return_logprob, on the final output
 
 
 def _default_pool_tokens(config: Any, device: str, dtype: torch.dtype, context_len: int,
@@ -259,6 +260,7 @@ class Engine:
                     rid, visible, list(ids), reason.kind.value if reason else None,
                     reason.message if reason else "", item.prompt_tokens, item.cached_tokens,
                     item.completion_tokens, delta,
+                    list(item.output_logprobs) if item.output_logprobs is not None else None,
                 )
         finally:
             if not finished:  # the reader walked away: stop the request

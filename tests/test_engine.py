@@ -182,3 +182,21 @@ def test_cli_user_errors_are_messages_not_tracebacks(ckpt, tmp_path, capsys, mon
             main(bad)
         assert err.value.code == 2
     assert "not an integer: 'abc'" in capsys.readouterr().err
+
+
+def test_logprobs_of_chosen_tokens_match_transformers(engine, ckpt):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    out = engine.generate(prompt=PROMPT, sampling_params={
+        "max_new_tokens": 5, "temperature": 0, "return_logprob": True})
+    assert len(out.output_logprobs) == 5
+    ids = engine.tokenizer.encode(PROMPT) + out.output_ids
+    hf = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0].log_softmax(-1)
+    start = len(ids) - 5
+    for j, token in enumerate(out.output_ids):
+        assert abs(ref[start - 1 + j, token].item() - out.output_logprobs[j]) < 1e-4
+    plain = engine.generate(prompt=PROMPT, sampling_params={"max_new_tokens": 2})
+    assert plain.output_logprobs is None

@@ -118,12 +118,19 @@ class ModelRunner:
         logits = self.model.logits(hidden[wanted])
         self.last_logits = logits
         params = batch.sampling
+        logprobs: list[list[float]] | None = None
         if params is None:
             tokens = logits.argmax(dim=-1)
         else:
             picked = sample_mask.cpu()
             sub = type(params)(*(getattr(params, f)[picked] for f in params.__dataclass_fields__))
             tokens = sample(logits, sub, batch.seq_lens[picked].long(), self.generator)
-        for i, token in zip(sample_mask.nonzero()[:, 0].tolist(), tokens.tolist(), strict=True):
+            if bool(sub.return_logprob.any()):
+                chosen = logits.log_softmax(dim=-1).gather(1, tokens[:, None])[:, 0].tolist()
+                logprobs = [[] for _ in range(batch.batch_size)]
+        rows = sample_mask.nonzero()[:, 0].tolist()
+        for j, (i, token) in enumerate(zip(rows, tokens.tolist(), strict=True)):
             result[i] = [int(token)]
-        return ModelOutput(result)
+            if logprobs is not None:
+                logprobs[i] = [chosen[j]]
+        return ModelOutput(result, logprobs)

@@ -29,6 +29,7 @@ class SamplingBatch:
     top_p: torch.Tensor  # float32 [batch], in (0, 1]
     min_p: torch.Tensor  # float32 [batch], in [0, 1]
     seed: torch.Tensor  # int64 [batch]; -1 = unseeded
+    return_logprob: torch.Tensor  # bool [batch]
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +68,9 @@ class ModelOutput(NamedTuple):
     the bonus token included)."""
 
     token_ids: list[list[int]]
+    # log-probabilities of those tokens (temperature-1 softmax of the logits), when any
+    # request of the batch asked for them
+    logprobs: list[list[float]] | None = None
 
 
 class ModelRunnerLike(Protocol):

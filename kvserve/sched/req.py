@@ -33,6 +33,7 @@ class SamplingParams:
     top_k: int = -1  # -1 = all tokens
     min_p: float = 0.0
     seed: int | None = None  # per-request generator: same tokens whatever the batch
+    return_logprob: bool = False  # log-probability of each chosen token (model's logits)
 
     def validate(self) -> None:
         """Raises RequestRejected naming the first bad field."""
@@ -81,6 +82,7 @@ class Req:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     extra_key: str | None = None
     output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)  # with return_logprob
     kv: ReqKV = field(default_factory=ReqKV)
     state: ReqState = ReqState.WAITING
     finished_reason: FinishReason | None = None

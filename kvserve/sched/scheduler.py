@@ -143,6 +143,7 @@ class ReqOutput(NamedTuple):
     prompt_tokens: int
     cached_tokens: int
     completion_tokens: int
+    output_logprobs: list[float] | None = None  # at finish, with return_logprob
 
 
 @dataclass
@@ -571,6 +572,8 @@ class Scheduler:
             min_p=torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device),
             seed=int_tensor([-1 if p.seed is None else p.seed for p in params], torch.int64,
                             device),
+            return_logprob=torch.tensor([p.return_logprob for p in params], dtype=torch.bool,
+                                        device=device),
         )
 
     def process_batch_result(self, batch: ScheduleBatch, result: ModelOutput) -> None:
@@ -579,6 +582,7 @@ class Scheduler:
                              f"{len(batch.reqs)} requests")
         fb = batch.forward_batch
         finished_before = self.stats.finished
+        lengths = [len(r.output_ids) for r in batch.reqs] if result.logprobs is not None else []
         if batch.forward_mode is ForwardMode.DECODE and not fb.speculative:
             self._process_decode(batch.reqs, result.token_ids)
         else:
@@ -597,6 +601,10 @@ class Scheduler:
                     self._append_tokens(req, tokens, commit=True)
         if self.stats.finished != finished_before:
             self.running = [r for r in self.running if r.state is ReqState.RUNNING]
+        if result.logprobs is not None:  # keep those of the tokens that were kept
+            for req, before, logprobs in zip(batch.reqs, lengths, result.logprobs, strict=True):
+                if req.sampling.return_logprob:
+                    req.output_logprobs += logprobs[: len(req.output_ids) - before]
 
     def _process_decode(self, reqs: list[Req], results: list[list[int]]) -> None:
         """One token per request (the hot path): commit its input's KV, append it."""
@@ -620,7 +628,7 @@ class Scheduler:
             kv.committed_len += 1
             out.append(token)
             outputs.append(_new_output(ReqOutput, (req.rid, tokens, None, req.prompt_len,
-                                                   req.cached_tokens, len(out))))
+                                                   req.cached_tokens, len(out), None)))
 
     def _process_extend(self, req: Req, tokens: list[int]) -> None:
         commit_kv(req, req.extend_len)
@@ -707,9 +715,10 @@ class Scheduler:
         self.waiting.insert(0, req)
 
     def _emit(self, req: Req, new_tokens: list[int]) -> None:
+        logprobs = req.output_logprobs if req.sampling.return_logprob else None
         self._outputs.append(ReqOutput(req.rid, new_tokens, req.finished_reason,
                                        len(req.prompt_ids), req.cached_tokens,
-                                       len(req.output_ids)))
+                                       len(req.output_ids), logprobs))
 
     # -- checking -------------------------------------------------------------------
     def _run_checker(self) -> float:

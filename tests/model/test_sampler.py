@@ -11,7 +11,7 @@ def params(n, temperature=1.0, top_k=-1, top_p=1.0, min_p=0.0, seed=-1):
 
     return SamplingBatch(full(temperature, torch.float32), full(top_k, torch.int32),
                          full(top_p, torch.float32), full(min_p, torch.float32),
-                         full(seed, torch.int64))
+                         full(seed, torch.int64), torch.zeros(n, dtype=torch.bool))
 
 
 def logits(n=4, vocab=50, seed=0):
@@ -32,7 +32,8 @@ def test_seeded_rows_do_not_depend_on_the_batch():
     pos = torch.tensor([5, 9, 9, 12, 3, 7])
     seeds = torch.tensor([1, 2, 3, 4, 5, 6])
     p = SamplingBatch(torch.full((6,), 0.8), torch.full((6,), -1, dtype=torch.int32),
-                      torch.full((6,), 0.95), torch.zeros(6), seeds)
+                      torch.full((6,), 0.95), torch.zeros(6), seeds,
+                      torch.zeros(6, dtype=torch.bool))
     together = sample(x, p, pos)
     for i in range(6):
         alone = SamplingBatch(*(getattr(p, f)[i : i + 1] for f in p.__dataclass_fields__))
