@@ -80,6 +80,8 @@ class Engine:
         mem_fraction_static: on CUDA without ``max_total_tokens``, the share of the
             device memory (weights included) the engine may use; the KV pool gets what
             the weights leave of it.
+        disable_cuda_graph: decode eagerly on CUDA (graphs are used by default with the
+            Triton backend; see ``kvserve.model.cuda_graph``).
     """
 
     def __init__(
@@ -98,6 +100,7 @@ class Engine:
         seed: int = 0,
         attention_backend: str = "auto",
         mem_fraction_static: float = 0.85,
+        disable_cuda_graph: bool = False,
     ) -> None:
         from transformers import AutoTokenizer
 
@@ -121,7 +124,8 @@ class Engine:
         pools = make_pools(config, max_total_tokens, page_size, max_running_requests,
                            context_len, device, dtype)  # type: ignore[arg-type]
         self.runner = ModelRunner(model, config, pools, seed=seed,
-                                  attention_backend=attention_backend)
+                                  attention_backend=attention_backend,
+                                  cuda_graph=False if disable_cuda_graph else None)
         self.tokenizer = AutoTokenizer.from_pretrained(model_path, local_files_only=True)
         self.scheduler = Scheduler(
             SchedulerConfig(

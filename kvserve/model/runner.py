@@ -63,7 +63,8 @@ class ModelRunner:
     uses_sampling_params = True
 
     def __init__(self, model: CausalLM, config: ModelConfig, pools: MemoryPools,
-                 seed: int = 0, attention_backend: str = "auto") -> None:
+                 seed: int = 0, attention_backend: str = "auto",
+                 cuda_graph: bool | None = None) -> None:
         if pools.kv_buffer is None:
             raise ValueError("ModelRunner needs pools with a KV buffer (see make_pools)")
         self.model = model
@@ -79,6 +80,10 @@ class ModelRunner:
                 pools.kv_buffer, table)
         else:
             self.attention = TorchPagedAttention(pools.kv_buffer, table)
+        from kvserve.model.cuda_graph import DecodeGraphRunner
+
+        # decode batches go through padded static buffers (graphs on CUDA + Triton)
+        self.graph_runner = DecodeGraphRunner(self, use_graphs=cuda_graph)
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.last_logits: torch.Tensor | None = None
         # Tests: called with (batch, float32 logits of every input token) each forward.
@@ -99,6 +104,8 @@ class ModelRunner:
         """Final hidden states of every input token, [tokens, hidden]; writes their KV."""
         if batch.speculative:
             raise NotImplementedError("the model runner has no draft model for speculation")
+        if self.graph_runner.can_run(batch):
+            return self.graph_runner.hidden_states(batch)
         view = self.attention.prepare(batch)
         return self.model(batch.input_ids.to(self.device), batch.positions.to(self.device),
                           self.attention, view)
