@@ -159,7 +159,13 @@ class Engine:
         Raises RequestRejected for bad input (nothing is queued for it)."""
         single, requests = self._requests(prompt, input_ids)
         rids = [self._submit(ids, sampling_params, rid if single else None) for ids in requests]
-        results = [self._collect(r) for r in rids]
+        try:
+            results = [self._collect(r) for r in rids]
+        except Exception:
+            for other in rids:  # one was rejected: stop the rest instead of orphaning them
+                self.abort(other)
+                self._outboxes.pop(other, None)
+            raise
         return results[0] if single else results
 
     def generate_stream(

@@ -200,3 +200,16 @@ def test_logprobs_of_chosen_tokens_match_transformers(engine, ckpt):
         assert abs(ref[start - 1 + j, token].item() - out.output_logprobs[j]) < 1e-4
     plain = engine.generate(prompt=PROMPT, sampling_params={"max_new_tokens": 2})
     assert plain.output_logprobs is None
+
+
+def test_one_bad_prompt_in_a_batch_stops_the_others(engine):
+    with pytest.raises(RequestRejected, match="context limit"):
+        engine.generate(input_ids=[[1, 2, 3], [1] * 9000],
+                        sampling_params={"max_new_tokens": 200, "ignore_eos": True})
+    import time
+
+    for _ in range(300):
+        if pools_full(engine):
+            break
+        time.sleep(0.01)
+    assert pools_full(engine) and not engine._outboxes
