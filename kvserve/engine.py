@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from kvserve.detokenize import IncrementalDetokenizer
 from kvserve.sched.req import FinishKind, Req, RequestRejected, SamplingParams
 from kvserve.sched.scheduler import ReqOutput, Scheduler, SchedulerConfig
 
@@ -46,6 +47,18 @@ class GenerateOutput:
     completion_tokens: int = 0
     delta: str = ""  # streaming: text new since the previous chunk
     output_logprobs: list[float] | None = None  # with return_logprob, on the final output
+
+
+def _hold_back_stop_prefix(text: str, stops: Sequence[str]) -> str:
+    """``text`` less its longest tail that could be the start of a stop string, so a
+    stream never shows text the final reply will cut."""
+    keep = len(text)
+    for stop in stops:
+        for n in range(min(len(stop) - 1, len(text)), 0, -1):
+            if text.endswith(stop[:n]):
+                keep = min(keep, len(text) - n)
+                break
+    return text[:keep]
 
 
 def _default_pool_tokens(config: Any, device: str, dtype: torch.dtype, context_len: int,
@@ -180,8 +193,9 @@ class Engine:
         single, requests = self._requests(prompt, input_ids)
         if not single:
             raise RequestRejected("generate_stream takes one prompt")
-        rid = self._submit(requests[0], sampling_params, rid)
-        yield from self._stream(rid)
+        sampling = self._sampling(sampling_params)
+        rid = self._submit(requests[0], sampling, rid)
+        yield from self._stream(rid, sampling.stop)
 
     def abort(self, rid: str) -> None:
         """Abort a request at any stage (no-op for an unknown or finished rid)."""
@@ -249,9 +263,10 @@ class Engine:
         sampling.validate()
         return sampling
 
-    def _stream(self, rid: str) -> Iterator[GenerateOutput]:
+    def _stream(self, rid: str, stops: Sequence[str] = ()) -> Iterator[GenerateOutput]:
         outbox = self._outboxes[rid]
         ids: list[int] = []
+        detok = IncrementalDetokenizer(self.tokenizer)
         sent = ""
         finished = False
         try:
@@ -263,8 +278,11 @@ class Engine:
                 ids += item.new_token_ids
                 reason = item.finished_reason
                 finished = reason is not None
-                text = self._text(ids, reason)
-                visible = text if finished else text.rstrip("\ufffd")
+                if finished:
+                    visible = self._text(ids, reason)  # cut exactly at a stop string
+                else:
+                    detok.add(item.new_token_ids)  # complete characters only
+                    visible = _hold_back_stop_prefix(detok.text, stops)
                 delta, sent = visible[len(sent):], visible
                 yield GenerateOutput(
                     rid, visible, list(ids), reason.kind.value if reason else None,

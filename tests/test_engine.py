@@ -213,3 +213,27 @@ def test_one_bad_prompt_in_a_batch_stops_the_others(engine):
             break
         time.sleep(0.01)
     assert pools_full(engine) and not engine._outboxes
+
+
+def test_a_stream_never_shows_text_the_stop_string_cuts(engine):
+    full = engine.generate(prompt=PROMPT, sampling_params={"max_new_tokens": 16,
+                                                           "temperature": 0})
+    stop = full.text[6:10]
+    chunks = list(engine.generate_stream(prompt=PROMPT, sampling_params={
+        "max_new_tokens": 16, "temperature": 0, "stop": [stop]}))
+    final = chunks[-1]
+    assert final.finish_reason == "stop" and final.text == full.text[:6]
+    shown = ""
+    for chunk in chunks:
+        shown += chunk.delta
+        assert final.text.startswith(shown)  # nothing later cut was ever sent
+    assert shown == final.text
+
+
+def test_hold_back_of_a_possible_stop_prefix():
+    from kvserve.engine import _hold_back_stop_prefix
+
+    assert _hold_back_stop_prefix("hello wo", ["world"]) == "hello "
+    assert _hold_back_stop_prefix("hello", ["xyz"]) == "hello"
+    assert _hold_back_stop_prefix("abc", []) == "abc"
+    assert _hold_back_stop_prefix("ab", ["b!", "ab?"]) == ""
