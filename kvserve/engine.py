@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from kvserve.detokenize import IncrementalDetokenizer
-from kvserve.sched.req import FinishKind, Req, RequestRejected, SamplingParams
+from kvserve.sched.req import Req, RequestRejected, SamplingParams
 from kvserve.sched.scheduler import ReqOutput, Scheduler, SchedulerConfig
 
 _STOP_TAIL_TOKENS = 16  # tokens decoded to look for a stop string ending at the last one
@@ -367,4 +367,4 @@ class Engine:
             box.put(RuntimeError(message))
 
 
-__all__ = ["Engine", "FinishKind", "GenerateOutput", "SamplingParams"]
+__all__ = ["Engine", "GenerateOutput", "SamplingParams"]

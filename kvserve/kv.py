@@ -237,13 +237,20 @@ def _grow(kv: ReqKV, tree_cache: BasePrefixCache, target_len: int) -> bool:
     return True
 
 
-def _take_pages(tree_cache: BasePrefixCache, count: int) -> list[int] | None:
-    """``count`` free pages, evicting the shortfall from the cache first."""
+def make_room(tree_cache: BasePrefixCache, num_pages: int) -> bool:
+    """Evict the shortfall of ``num_pages`` free pages from the cache; True when that
+    many pages are free."""
     allocator = tree_cache.pools.allocator
-    short = count - allocator.available_pages()
+    short = num_pages - allocator.available_pages()
     if short > 0:
         tree_cache.evict(short * allocator.page_size)
-    return allocator.alloc_pages(count)
+    return num_pages <= allocator.available_pages()
+
+
+def _take_pages(tree_cache: BasePrefixCache, count: int) -> list[int] | None:
+    """``count`` free pages, evicting the shortfall from the cache first."""
+    make_room(tree_cache, count)
+    return tree_cache.pools.allocator.alloc_pages(count)
 
 
 def commit_kv(req: KVOwner, num_tokens: int) -> None:

@@ -28,7 +28,7 @@ from kvserve.cache.base import BasePrefixCache
 from kvserve.kv import ReqKV
 from kvserve.mem.allocator import FREE, PENDING, RESERVED, USED
 from kvserve.mem.ledger import PageLedger
-from kvserve.mem.pages import num_pages
+from kvserve.mem.pages import num_pages, slot_ids
 from kvserve.sched.state import LEGAL_HOLDINGS, ReqState
 
 
@@ -231,7 +231,6 @@ class InvariantChecker:
         """Every live row entry below allocated_len points at the page the request owns
         or has locked, at the right offset."""
         pool, page_size = self.pools.req_to_token_pool, self.pools.page_size
-        offsets = torch.arange(page_size, dtype=torch.int32)
         for req in reqs:
             kv = req.kv
             if kv.row is None or kv.allocated_len == 0:
@@ -242,8 +241,7 @@ class InvariantChecker:
                     report.violations.append(
                         f"request {req.rid}: prefix pages differ from the pages its lock protects"
                     )
-            pages = torch.tensor(kv.page_ids, dtype=torch.int32)
-            want = (pages[:, None] * page_size + offsets).flatten()[: kv.allocated_len]
+            want = slot_ids(kv.page_ids, page_size, 0, kv.allocated_len)
             have = pool.req_to_token[kv.row, : kv.allocated_len].cpu()
             if not torch.equal(want, have):
                 bad = int((want != have).nonzero()[0, 0])

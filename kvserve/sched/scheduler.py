@@ -34,6 +34,7 @@ from kvserve.kv import (
     alloc_for_extend,
     alloc_for_spec_decode,
     commit_kv,
+    make_room,
     release_kv_cache,
     req_slot_ids,
     spec_reserve_tokens,
@@ -467,14 +468,6 @@ class Scheduler:
             target = ceil_page(kv.committed_len + spec.reserve, page_size)
         return max(num_pages(target, page_size) - len(kv.page_ids), 0)
 
-    def _make_room(self, num_pages: int) -> bool:
-        """Evict the shortfall of ``num_pages`` free pages; True when they are free."""
-        alloc = self.pools.allocator
-        short = num_pages - alloc.available_pages()
-        if short > 0:
-            self.tree_cache.evict(short * alloc.page_size)
-        return num_pages <= alloc.available_pages()
-
     def _check_decode_mem(self) -> bool:
         """Make room for one decode step: evict the shortfall from the cache, then
         retract (SGLang's order: fewest output tokens first, then longest prompt).
@@ -486,14 +479,14 @@ class Scheduler:
                        if r.kv.committed_len >= len(r.kv.page_ids) * page_size)
         else:
             need = sum(self._decode_pages_needed(r) for r in self.running)
-        if self._make_room(need):
+        if make_room(self.tree_cache, need):
             return False
         order = sorted(self.running, key=lambda r: (len(r.output_ids), -len(r.prompt_ids)),
                        reverse=True)
         retracted = False
         # A victim's pages may go to the cache (its prompt was inserted after prefill):
         # evict again after each one before deciding another is needed (as SGLang).
-        while not self._make_room(need):
+        while not make_room(self.tree_cache, need):
             if len(self.running) == 1:
                 last = self.running.pop()
                 self._finish(last, FinishReason(FinishKind.ABORT, OOM_MESSAGE), insert=False)

@@ -19,7 +19,7 @@ import torch
 from kvserve.cache.base import BasePrefixCache
 from kvserve.mem.allocator import TokenToKVPoolAllocator
 from kvserve.mem.kv_buffer import MHATokenToKVPool
-from kvserve.mem.pages import num_pages
+from kvserve.mem.pages import num_pages, slot_ids
 from kvserve.mem.pools import MemoryPools
 from kvserve.mem.req_to_token import ReqToTokenPool
 from kvserve.sched.batch import ForwardBatch, ModelOutput
@@ -155,9 +155,7 @@ class ScriptedModel:
     def _poison(self, page_ids: Sequence[int]) -> None:
         kbuf = self.pools.kv_buffer.get_kv_buffer(0)[0]  # type: ignore[union-attr]
         page_size = self.pools.page_size
-        pages = torch.tensor(list(page_ids), dtype=torch.int64)
-        slots = (pages[:, None] * page_size + torch.arange(page_size)).flatten()
-        kbuf[slots] = _POISON
+        kbuf[slot_ids(page_ids, page_size, 0, len(page_ids) * page_size).long()] = _POISON
 
 
 @dataclass(eq=False)
