@@ -9,6 +9,7 @@ trailing U+FFFD. Cost per token is constant, not the whole output.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 _CONTEXT_TOKENS = 5  # already-sent tokens decoded again so merges at the edge are right
@@ -47,4 +48,49 @@ class IncrementalDetokenizer:
         full = self._decode(self.ids)
         delta = full[len(self.text) :] if full.startswith(self.text) else ""
         self.text += delta
+        return delta
+
+
+def hold_back_stop_prefix(text: str, stops: Sequence[str]) -> str:
+    """``text`` less its longest tail that could be the start of a stop string, so a
+    stream never shows text the final reply will cut."""
+    keep = len(text)
+    for stop in stops:
+        for n in range(min(len(stop) - 1, len(text)), 0, -1):
+            if text.endswith(stop[:n]):
+                keep = min(keep, len(text) - n)
+                break
+    return text[:keep]
+
+
+class TextStream:
+    """The visible text of one request's output, step by step.
+
+    While running: complete UTF-8 characters only, less a tail that could start a
+    stop string. At finish: the whole output decoded once and cut exactly before the
+    stop string that ended it (``matched_stop``). Every call returns the text new
+    since the previous one; what was sent is always a prefix of the final text.
+    """
+
+    def __init__(self, tokenizer: Any, stops: Sequence[str] = ()) -> None:
+        self.tokenizer = tokenizer
+        self.stops = tuple(stops)
+        self.detok = IncrementalDetokenizer(tokenizer)
+        self.ids: list[int] = []
+        self.sent = ""
+
+    def add(self, new_ids: list[int], finished: bool = False,
+            matched_stop: str | None = None) -> str:
+        """Append tokens; returns the new visible text (possibly empty)."""
+        self.ids += new_ids
+        if finished:
+            visible = str(self.tokenizer.decode(self.ids, skip_special_tokens=True))
+            if matched_stop:
+                cut = visible.find(matched_stop)
+                visible = visible[:cut] if cut >= 0 else visible
+        else:
+            self.detok.add(new_ids)
+            visible = hold_back_stop_prefix(self.detok.text, self.stops)
+        delta = visible[len(self.sent):] if visible.startswith(self.sent) else ""
+        self.sent = self.sent + delta
         return delta

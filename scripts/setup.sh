@@ -23,4 +23,4 @@ VPY=.venv/bin/python
 if ! "$VPY" -c "import torch" >/dev/null 2>&1; then
   "$VPY" -m pip install -q torch==2.13.0
 fi
-"$VPY" -m pip install -q -e ".[test]"
+"$VPY" -m pip install -q -e ".[server,test]"

@@ -231,7 +231,7 @@ def test_a_stream_never_shows_text_the_stop_string_cuts(engine):
 
 
 def test_hold_back_of_a_possible_stop_prefix():
-    from kvserve.engine import _hold_back_stop_prefix
+    from kvserve.detokenize import hold_back_stop_prefix as _hold_back_stop_prefix
 
     assert _hold_back_stop_prefix("hello wo", ["world"]) == "hello "
     assert _hold_back_stop_prefix("hello", ["xyz"]) == "hello"

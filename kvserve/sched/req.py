@@ -16,6 +16,10 @@ class RequestRejected(ValueError):
     """``add_request`` refused a request; it holds nothing and is not queued."""
 
 
+class QueueFull(RequestRejected):
+    """The waiting queue is at its bound (``max_queued_requests``); retry later."""
+
+
 @dataclass(slots=True)
 class SamplingParams:
     """Stopping limits the scheduler enforces (sampling itself lives in the model runner).

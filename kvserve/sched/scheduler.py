@@ -160,6 +160,8 @@ class SchedulerStats:
     sched_seconds: list[float] = field(default_factory=list)
     model_seconds: list[float] = field(default_factory=list)
     checker_seconds: list[float] = field(default_factory=list)
+    checker_runs: int = 0
+    violations: int = 0  # checker runs that found at least one violation
     decode_step: list[bool] = field(default_factory=list)
 
 
@@ -726,7 +728,9 @@ class Scheduler:
         t0 = time.perf_counter()
         report = self.checker.check(self.reqs.values(), self.held_pages, full=True)
         self.last_report = report
+        self.stats.checker_runs += 1
         if not report.ok:
+            self.stats.violations += 1
             logger.error("invariant check failed:\n%s", report)
             if self.config.raise_on_violation:
                 raise InvariantViolation(report)

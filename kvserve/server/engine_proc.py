@@ -1,0 +1,80 @@
+"""The engine process of ``kvserve serve``: ``EngineCore.run`` behind two ZMQ sockets.
+
+    HTTP process --PUSH--> commands (pickled (name, arg) tuples) --PULL--> engine process
+    HTTP process <--PULL-- events (a pickled list per loop turn)   <--PUSH-- engine process
+
+The first message the engine sends is ``EngineReady`` (or ``EngineFailed`` when the
+model cannot be loaded). SIGINT is ignored here (a terminal's Ctrl-C reaches the
+whole process group; the HTTP process shuts the engine down in order), SIGTERM
+stops the loop after releasing every request, and the loop stops on its own when
+the HTTP process is gone.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import traceback
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import zmq
+
+from kvserve.engine import Command, EngineArgs, EngineCore, Event
+
+
+class EngineReady(NamedTuple):
+    info: dict[str, Any]  # EngineCore.rpc("info")
+
+
+class EngineFailed(NamedTuple):
+    message: str
+
+
+def run_engine_process(args: EngineArgs, command_addr: str, event_addr: str) -> None:
+    """Process entry point (``multiprocessing`` spawn target)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    terminated: list[int] = []
+    signal.signal(signal.SIGTERM, lambda signum, frame: terminated.append(signum))
+    ctx = zmq.Context()
+    commands = ctx.socket(zmq.PULL)
+    commands.connect(command_addr)
+    events = ctx.socket(zmq.PUSH)
+    events.setsockopt(zmq.LINGER, 2000)
+    events.connect(event_addr)
+    try:
+        core = EngineCore(args)
+    except Exception as err:
+        events.send_pyobj(EngineFailed(f"{type(err).__name__}: {err}"))
+        events.close()
+        ctx.term()
+        raise SystemExit(1) from None
+    events.send_pyobj(EngineReady(core.rpc("info")))
+    parent = os.getppid()
+
+    def recv(timeout_s: float) -> list[Command]:
+        if terminated:
+            return [("stop", "engine process terminated")]
+        if os.getppid() != parent:
+            return [("stop", "HTTP process is gone")]
+        received: list[Command] = []
+        if timeout_s <= 0 or commands.poll(int(timeout_s * 1000)):
+            while True:
+                try:
+                    received.append(commands.recv_pyobj(zmq.NOBLOCK))
+                except zmq.Again:
+                    return received
+        return received
+
+    def deliver(batch: Sequence[Event]) -> None:
+        events.send_pyobj(batch)
+
+    try:
+        core.run(recv, deliver)
+    except BaseException:
+        events.send_pyobj(EngineFailed(traceback.format_exc()))
+        raise
+    finally:
+        commands.close(linger=0)
+        events.close()
+        ctx.term()

@@ -1,0 +1,90 @@
+"""``kvserve serve``: arguments, then uvicorn over the app (the engine process starts in
+the app's lifespan). SIGINT/SIGTERM: uvicorn stops taking connections, lets open
+requests finish for a few seconds, then the engine aborts what is left, releases it
+and exits; both processes are gone when this returns."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+_POLICIES = ("fcfs", "lpm")
+
+
+def add_serve_parser(commands: argparse._SubParsersAction, positive: object,
+                     non_negative: object) -> None:
+    """Register ``serve`` on the top-level subcommands (no server imports here)."""
+    serve = commands.add_parser(
+        "serve", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        help="OpenAI-compatible HTTP server",
+        description="Serve a checkpoint over HTTP (OpenAI /v1/completions and "
+        "/v1/chat/completions, SGLang /generate). Without --model, a tiny random-weight "
+        "default model.",
+    )
+    serve.add_argument("--model", help="HF checkpoint folder (default: tiny random model)")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=non_negative, default=30000)
+    serve.add_argument("--served-model-name", help="name in /v1/models (default: folder name)")
+    serve.add_argument("--page-size", type=positive, default=16, help="KV page size in tokens")
+    serve.add_argument("--max-total-tokens", type=positive, default=None,
+                       help="KV pool size in tokens (default: from memory)")
+    serve.add_argument("--chunked-prefill-size", type=int, default=2048,
+                       help="tokens per prefill chunk (<= 0 disables chunking)")
+    serve.add_argument("--context-length", type=positive, default=None,
+                       help="max tokens per request (default: the model's, at most 8192)")
+    serve.add_argument("--max-running-requests", type=positive, default=64)
+    serve.add_argument("--max-queued-requests", type=positive, default=None,
+                       help="waiting-queue bound; beyond it requests get 429")
+    serve.add_argument("--disable-radix-cache", action="store_true")
+    serve.add_argument("--schedule-policy", choices=_POLICIES, default="fcfs")
+    serve.add_argument("--api-key", help="require 'Authorization: Bearer KEY'")
+    serve.add_argument("--enable-debug-endpoints", action="store_true",
+                       help="add GET /debug/check (strict invariant check when idle)")
+    serve.add_argument("--strict-checks", action="store_true",
+                       help="run the strict checker after every step (slow; tests)")
+    serve.add_argument("--device", default=None, help="cpu, cuda or cuda:N")
+    serve.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
+    serve.add_argument("--attention-backend", choices=["auto", "torch", "triton"],
+                       default="auto")
+    serve.add_argument("--log-level", default="warning",
+                       choices=["critical", "error", "warning", "info", "debug"])
+
+
+def serve(args: argparse.Namespace) -> int:
+    """Run the server until SIGINT/SIGTERM. Returns the exit status."""
+    try:
+        import uvicorn
+
+        from kvserve.engine import EngineArgs
+        from kvserve.server.app import ServerArgs, create_app
+    except ImportError as err:
+        print(f"kvserve serve needs the server extras ({err.name} is missing): "
+              "pip install 'kvserve[server]'", file=sys.stderr)
+        return 2
+    from kvserve.model.init import default_model_dir
+
+    model = args.model
+    if model is None:
+        model = str(default_model_dir())
+        print(f"kvserve: no --model; serving the tiny default at {model} (random weights: "
+              "the text it writes is meaningless)", file=sys.stderr)
+    chunk = args.chunked_prefill_size if args.chunked_prefill_size > 0 else None
+    engine = EngineArgs(
+        model_path=model, page_size=args.page_size, chunked_prefill_size=chunk,
+        max_total_tokens=args.max_total_tokens, context_len=args.context_length,
+        disable_radix_cache=args.disable_radix_cache, device=args.device, dtype=args.dtype,
+        max_running_requests=args.max_running_requests,
+        max_queued_requests=args.max_queued_requests, schedule_policy=args.schedule_policy,
+        strict_checks=args.strict_checks, attention_backend=args.attention_backend,
+    )
+    server_args = ServerArgs(engine=engine, host=args.host, port=args.port,
+                             api_key=args.api_key, served_model_name=args.served_model_name,
+                             enable_debug_endpoints=args.enable_debug_endpoints)
+    app = create_app(server_args)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                            timeout_graceful_shutdown=5, access_log=False)
+    server = uvicorn.Server(config)
+    print(f"kvserve: serving {model} on http://{args.host}:{args.port}", file=sys.stderr,
+          flush=True)
+    server.run()
+    return 0 if server.started else 1
