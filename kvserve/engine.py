@@ -278,6 +278,8 @@ class EngineCore:
         if what == "info":
             alloc = self.scheduler.pools.allocator
             return {"model_path": self.model_path, "context_len": self.context_len,
+                    "model_type": self.runner.config.hf_config.model_type,
+                    "architectures": [self.runner.config.architecture],
                     "max_total_num_tokens": alloc.size, "page_size": alloc.page_size,
                     "max_running_requests": self.scheduler.config.max_running_requests,
                     "max_queued_requests": self.max_queued_requests}

@@ -4,7 +4,8 @@
     POST /generate                               SGLang's native shape
     POST /abort_request  {"rid": ...}            abort at any stage
     GET|POST /flush_cache                        reset the prefix cache (only when idle)
-    GET  /v1/models, /health, /health_generate, /metrics, /get_model_info, /get_server_info
+    GET  /v1/models, /health, /health_generate, /metrics, /get_load,
+         /get_model_info (/model_info), /get_server_info (/server_info)
     GET  /debug/check                            with --enable-debug-endpoints
 
 A request is tokenized here, queued in the engine process and read back as token
@@ -495,19 +496,33 @@ def create_app(args: ServerArgs, server: Server | None = None) -> FastAPI:
     async def metrics(request: Request) -> Response:
         return Response(srv.metrics.render(), media_type="text/plain; version=0.0.4")
 
+    # SGLang's info endpoints; sglang-router reads /server_info then /model_info (falling
+    # back to the get_ names) when a worker registers, and polls /get_load (power_of_two).
     @app.get("/get_model_info")
+    @app.get("/model_info")
     @endpoint
     async def get_model_info(request: Request) -> Response:
         path = srv.client.info["model_path"]
         return JSONResponse({"model_path": path, "tokenizer_path": path,
-                             "is_generation": True, "served_model_name": srv.model_name})
+                             "is_generation": True, "served_model_name": srv.model_name,
+                             "model_type": srv.client.info.get("model_type"),
+                             "architectures": srv.client.info.get("architectures")})
 
     @app.get("/get_server_info")
+    @app.get("/server_info")
     @endpoint
     async def get_server_info(request: Request) -> Response:
         stats = srv.client.stats
         return JSONResponse({**srv.client.info, "served_model_name": srv.model_name,
+                             "tp_size": 1, "dp_size": 1, "disaggregation_mode": "null",
                              "stats": stats._asdict() if stats else None})
+
+    @app.get("/get_load")
+    @endpoint
+    async def get_load(request: Request) -> Response:
+        stats = srv.client.stats
+        return JSONResponse([{"num_tokens": stats.kv_used_tokens if stats else 0,
+                              "num_reqs": stats.running + stats.waiting if stats else 0}])
 
     if args.enable_debug_endpoints:
         @app.get("/debug/check")

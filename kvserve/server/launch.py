@@ -6,6 +6,7 @@ and exits; both processes are gone when this returns."""
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 
 _POLICIES = ("fcfs", "lpm")
@@ -86,5 +87,9 @@ def serve(args: argparse.Namespace) -> int:
     server = uvicorn.Server(config)
     print(f"kvserve: serving {model} on http://{args.host}:{args.port}", file=sys.stderr,
           flush=True)
+    # uvicorn re-raises a captured SIGINT/SIGTERM after its graceful shutdown, into the
+    # handlers found at start: make those no-ops so a signalled stop exits with 0.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda signum, frame: None)
     server.run()
     return 0 if server.started else 1
