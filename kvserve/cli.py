@@ -1,5 +1,6 @@
-"""kvserve command line: benchmarks (bench prefix-cache | replay | decode-steady),
-init-model (random-weight checkpoints) and generate (one completion)."""
+"""kvserve command line: serve (OpenAI-compatible HTTP server), benchmarks (bench
+prefix-cache | replay | decode-steady | chat), init-model (random-weight checkpoints) and
+generate (one completion)."""
 
 from __future__ import annotations
 
@@ -65,12 +66,21 @@ def build_parser() -> argparse.ArgumentParser:
         "replay",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         help="W2: replay a Mooncake trace through the whole scheduler",
-        description="W2 scheduler replay with the scripted model (page 16, 131,072-token "
-        "pool, 512 running, chunked prefill 4096, lpm), checker strict every step.",
+        description="W2 scheduler replay (page 16, 512 running, chunked prefill 4096, lpm, "
+        "checker strict every step) with the scripted model (131,072-token pool) or a real "
+        "checkpoint (greedy; pool and context sized for the model; token ids mapped into "
+        "its vocabulary; prompts cut so prompt + output fit the context).",
     )
     replay.add_argument("trace", help="Mooncake hash-id trace (.jsonl)")
-    replay.add_argument("--model", choices=["scripted"], default="scripted",
-                        help="model behind the scheduler (the real engine comes later)")
+    replay.add_argument("--model", default="scripted",
+                        help="'scripted' (fake model), a checkpoint folder, or 'default' "
+                        "(the tiny random-weight model)")
+    replay.add_argument("--max-total-tokens", type=_positive, default=None,
+                        help="KV pool in tokens with a real model (default: the engine's "
+                        "sizing; 65,536 on CPU)")
+    replay.add_argument("--device", type=_device, default=None,
+                        help="with a real model: cpu, cuda or cuda:N (default: cuda when "
+                        "available)")
     replay.add_argument("--block", type=_positive, default=16, help="tokens per trace hash id")
     replay.add_argument("--limit", type=_non_negative, default=0, help="only the first N rows")
     replay.add_argument("--no-progress", action="store_true", help="hide the progress bar")
@@ -87,6 +97,31 @@ def build_parser() -> argparse.ArgumentParser:
     steady.add_argument("--cached-tokens", type=_non_negative, default=0,
                         help="extra tokens cached in the tree before the run")
     steady.add_argument("--steps", type=_positive, default=200, help="measured decode steps")
+    chat = bench.add_parser(
+        "chat",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        help="the main job: multi-turn chats through the openai client against kvserve serve",
+        description="Start kvserve serve (tiny default model unless --model; or target --url), "
+        "send multi-turn chats with shared system prompts through the official openai client "
+        "(streaming, greedy, ignore_eos), sample /metrics, ask the checker (/debug/check), "
+        "print throughput, TTFT/ITL percentiles, prefix hit ratio and the checker verdict, "
+        "write a report folder with timeline.png, and stop the server. Exit 0 only when no "
+        "request failed and the checker was clean.",
+    )
+    chat.add_argument("--url", help="a running server (http://host:port) instead of starting "
+                      "one; None: start kvserve serve here")
+    chat.add_argument("--model", help="checkpoint folder for the server started here; None: "
+                      "the tiny random-weight model")
+    chat.add_argument("--conversations", type=_positive, default=128, help="conversations")
+    chat.add_argument("--turns", type=_positive, default=6, help="turns per conversation")
+    chat.add_argument("--concurrency", type=_positive, default=16,
+                      help="conversations in flight at once")
+    chat.add_argument("--max-tokens", type=_positive, default=32,
+                      help="longest reply in tokens (each turn's is drawn in [M/2, M])")
+    chat.add_argument("--report-dir", help="report folder; None: reports/chat-<time>/ in the "
+                      "current folder")
+    chat.add_argument("--api-key", help="API key of the --url server")
+    chat.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     init = commands.add_parser(
         "init-model", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         help="write a random-weight checkpoint (config, safetensors, tokenizer)",
@@ -115,6 +150,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="cpu, cuda or cuda:N (default: cuda when available)")
     gen.add_argument("--attention-backend", choices=["auto", "torch", "triton"], default="auto",
                      help="triton needs CUDA (or TRITON_INTERPRET=1 on CPU, for tests)")
+    from kvserve.server.launch import add_serve_parser
+
+    add_serve_parser(commands, _positive, _non_negative)
     return parser
 
 
@@ -171,9 +209,38 @@ def _bench_replay(args: argparse.Namespace) -> int:
     if not requests:
         print("kvserve: the trace has no requests", file=sys.stderr)
         return 2
-    result = replay_trace(requests, progress=not args.no_progress)
+    if args.model == "scripted":
+        result = replay_trace(requests, progress=not args.no_progress)
+    else:
+        from kvserve.bench.replay import model_engine, replay_model
+        from kvserve.model.config import ModelLoadError
+
+        try:
+            core = model_engine(None if args.model == "default" else args.model,
+                                args.max_total_tokens, args.device)
+        except (ModelLoadError, OSError, ValueError) as err:
+            print(f"kvserve: cannot load model: {err}", file=sys.stderr)
+            return 2
+        print(f"model={core.model_path} device={core.runner.device} "
+              f"kv_pool={core.scheduler.pools.allocator.size} context={core.context_len} "
+              "(prompts that would not fit with their output are cut at the end)",
+              file=sys.stderr)
+        result = replay_model(requests, core, progress=not args.no_progress)
     print(result.line(), flush=True)
     return 0 if result.violations == 0 else 1
+
+
+def _bench_chat(args: argparse.Namespace) -> int:
+    from kvserve.bench.chat import ChatJobOptions, run_chat_job
+
+    if args.url and args.model:
+        print("kvserve: --model picks the model of the server started here; it cannot be "
+              "used with --url", file=sys.stderr)
+        return 2
+    return run_chat_job(ChatJobOptions(
+        url=args.url, model=args.model, conversations=args.conversations, turns=args.turns,
+        concurrency=args.concurrency, max_tokens=args.max_tokens, report_dir=args.report_dir,
+        api_key=args.api_key, progress=not args.no_progress))
 
 
 def _bench_decode_steady(args: argparse.Namespace) -> int:
@@ -220,10 +287,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _init_model(args)
     if args.command == "generate":
         return _generate(args)
+    if args.command == "serve":
+        from kvserve.server.launch import serve
+
+        return serve(args)
     handlers = {
         "prefix-cache": _bench_prefix_cache,
         "replay": _bench_replay,
         "decode-steady": _bench_decode_steady,
+        "chat": _bench_chat,
     }
     return handlers[args.bench](args)
 

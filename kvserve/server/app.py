@@ -22,6 +22,7 @@ import asyncio
 import contextlib
 import hmac
 import json
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -126,6 +127,11 @@ def _sse(obj: Any) -> bytes:
 
 
 _SSE_DONE = b"data: [DONE]\n\n"
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+
+
+def _reject_json_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
 
 
 class Server:
@@ -155,6 +161,12 @@ class Server:
         self.context_len = int(self.client.info["context_len"])
         self._watcher = asyncio.create_task(self._watch_disconnects())
 
+    def abort_inflight(self) -> None:
+        """Shutdown: abort every request in flight; its client still gets the end of
+        its reply (finish_reason "abort", then ``[DONE]`` when streaming)."""
+        for rid in list(self.inflight):
+            self.client.abort(rid)
+
     async def stop(self) -> None:
         if self._watcher is not None:
             self._watcher.cancel()
@@ -179,8 +191,10 @@ class Server:
             raise ApiError(400, f"request body is not valid UTF-8: {err.reason} at byte "
                            f"{err.start}") from None
         try:
-            obj = json.loads(text)
-        except json.JSONDecodeError as err:
+            obj = json.loads(text, parse_constant=_reject_json_constant)
+            if _SURROGATE_ESCAPE.search(text):  # a lone surrogate cannot become UTF-8 again
+                json.dumps(obj, ensure_ascii=False).encode()
+        except (ValueError, RecursionError) as err:  # UnicodeError is a ValueError
             raise ApiError(400, f"request body is not valid JSON: {err}") from None
         if not isinstance(obj, dict):
             raise ApiError(400, "request body must be a JSON object")

@@ -6,10 +6,14 @@ and exits; both processes are gone when this returns."""
 from __future__ import annotations
 
 import argparse
+import asyncio
 import signal
 import sys
+from collections.abc import Callable
+from typing import Any
 
 _POLICIES = ("fcfs", "lpm")
+_GRACE_S = 5  # after SIGINT/SIGTERM, open requests may finish for this long
 
 
 def add_serve_parser(commands: argparse._SubParsersAction, positive: object,
@@ -51,6 +55,23 @@ def add_serve_parser(commands: argparse._SubParsersAction, positive: object,
                        choices=["critical", "error", "warning", "info", "debug"])
 
 
+def _uvicorn_server(config: Any, abort_inflight: Callable[[], None]) -> Any:
+    """uvicorn's server, aborting what is still in flight a second before its graceful
+    shutdown would cut the connections: open streams end with finish_reason "abort" and
+    ``[DONE]``, not a truncated body."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        async def shutdown(self, sockets: Any = None) -> None:
+            timer = asyncio.get_running_loop().call_later(_GRACE_S - 1, abort_inflight)
+            try:
+                await super().shutdown(sockets)
+            finally:
+                timer.cancel()
+
+    return Server(config)
+
+
 def serve(args: argparse.Namespace) -> int:
     """Run the server until SIGINT/SIGTERM. Returns the exit status."""
     try:
@@ -69,6 +90,14 @@ def serve(args: argparse.Namespace) -> int:
         model = str(default_model_dir())
         print(f"kvserve: no --model; serving the tiny default at {model} (random weights: "
               "the text it writes is meaningless)", file=sys.stderr)
+    from kvserve.model.config import ModelLoadError
+    from kvserve.model.loader import load_config
+
+    try:
+        load_config(model)  # a bad folder is a message here, not a traceback at startup
+    except ModelLoadError as err:
+        print(f"kvserve: cannot load model: {err}", file=sys.stderr)
+        return 2
     chunk = args.chunked_prefill_size if args.chunked_prefill_size > 0 else None
     engine = EngineArgs(
         model_path=model, page_size=args.page_size, chunked_prefill_size=chunk,
@@ -83,8 +112,8 @@ def serve(args: argparse.Namespace) -> int:
                              enable_debug_endpoints=args.enable_debug_endpoints)
     app = create_app(server_args)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                            timeout_graceful_shutdown=5, access_log=False)
-    server = uvicorn.Server(config)
+                            timeout_graceful_shutdown=_GRACE_S, access_log=False)
+    server = _uvicorn_server(config, app.state.server.abort_inflight)
     print(f"kvserve: serving {model} on http://{args.host}:{args.port}", file=sys.stderr,
           flush=True)
     # uvicorn re-raises a captured SIGINT/SIGTERM after its graceful shutdown, into the
