@@ -64,6 +64,7 @@ from kvserve.sched.state import ReqState
 logger = logging.getLogger(__name__)
 
 _INT32_MAX = 2**31 - 1
+LPM_FALLBACK_QUEUE_LEN = 128  # lpm acts as fcfs above this many waiting (SGLang)
 
 
 class ConfigError(ValueError):
@@ -351,9 +352,11 @@ class Scheduler:
         )
         if chunked is not None and not adder.add_chunked_req(chunked):
             return None  # its next chunk does not fit yet: decode frees memory first
-        self._match_waiting()
+        match_each = not self._match_waiting()
         rows_free = self.pools.req_to_token_pool.available_size()
         for req in self.waiting:
+            if match_each:
+                self._match(req)
             result = adder.add_one_req(req, rows_free)
             if req.state is ReqState.ADMITTED:
                 rows_free -= 1
@@ -377,16 +380,23 @@ class Scheduler:
         self.stats.prefill_batches += 1
         return self._build_batch(ForwardMode.EXTEND, reqs)
 
-    def _match_waiting(self) -> None:
-        """Match every waiting request (no lock), capped so one token is computed;
-        ``lpm`` then orders by longest match."""
-        cache = self.tree_cache
+    def _match_waiting(self) -> bool:
+        """``lpm``: match every waiting request and order by longest match; True when
+        done. ``fcfs``, or ``lpm`` with more than ``LPM_FALLBACK_QUEUE_LEN`` waiting (as
+        SGLang, so matching stays cheap under a long queue): False, and requests are
+        matched one by one as the adder reaches them."""
+        if self.config.schedule_policy != "lpm" or len(self.waiting) > LPM_FALLBACK_QUEUE_LEN:
+            return False
         for req in self.waiting:
-            fill = req.fill_ids
-            match = cache.match_prefix(fill[: len(fill) - 1], req.extra_key)
-            req.match_len, req.match_node = match.prefix_len, match.last_node
-        if self.config.schedule_policy == "lpm":
-            self.waiting.sort(key=lambda r: -r.match_len)
+            self._match(req)
+        self.waiting.sort(key=lambda r: -r.match_len)
+        return True
+
+    def _match(self, req: Req) -> None:
+        """Prefix match without a lock, capped so at least one token is computed."""
+        fill = req.fill_ids
+        match = self.tree_cache.match_prefix(fill[: len(fill) - 1], req.extra_key)
+        req.match_len, req.match_node = match.prefix_len, match.last_node
 
     def _prepare_extend(self, req: Req) -> bool:
         """Allocate row + pages for this step's chunk; False drops it from the batch."""

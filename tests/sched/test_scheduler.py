@@ -7,7 +7,12 @@ from kvserve.sched import ReqState
 from kvserve.sched.batch import ForwardMode
 from kvserve.sched.policy import NewTokenRatio
 from kvserve.sched.req import FinishKind
-from kvserve.sched.scheduler import ConfigError, SchedulerConfig, SpecConfig
+from kvserve.sched.scheduler import (
+    LPM_FALLBACK_QUEUE_LEN,
+    ConfigError,
+    SchedulerConfig,
+    SpecConfig,
+)
 from kvserve.testing.scripted import ScriptedEngine
 
 SYSTEM = list(range(2000, 2032))
@@ -136,6 +141,21 @@ def test_lpm_admits_the_longest_prefix_match_first():
     hit = e.add(SYSTEM + [1, 2], max_new_tokens=1)
     e.step()
     assert hit.state is ReqState.FINISHED and miss.state is ReqState.WAITING
+    e.run_until_idle()
+    e.assert_idle_and_full()
+
+
+def test_lpm_falls_back_to_fcfs_and_matches_only_what_it_admits_above_128_waiting():
+    e = ScriptedEngine(page_size=1, num_tokens=16384, num_rows=256, max_running_requests=1,
+                       schedule_policy="lpm")
+    e.add(SYSTEM, max_new_tokens=1)
+    e.run_until_idle()
+    misses = [e.add(list(range(5000 + 50 * i, 5040 + 50 * i)), max_new_tokens=1)
+              for i in range(LPM_FALLBACK_QUEUE_LEN)]
+    hit = e.add(SYSTEM + [1, 2], max_new_tokens=1)
+    e.step()  # 129 waiting: first come, first served; only the first one matched
+    assert misses[0].state is ReqState.FINISHED and hit.state is ReqState.WAITING
+    assert [m.req.match_node is not None for m in misses[1:3]] == [True, False]
     e.run_until_idle()
     e.assert_idle_and_full()
 
