@@ -31,18 +31,6 @@ class EngineFailed(NamedTuple):
     message: str
 
 
-def _leave_a_core_for_http(core: EngineCore) -> None:
-    """On CPU, at most (cores - 1) torch threads unless OMP_NUM_THREADS says otherwise:
-    spinning intra-op threads on every core starve the HTTP process (streaming was 10x
-    slower on 2 cores)."""
-    import torch
-
-    if core.runner.device.type != "cpu" or "OMP_NUM_THREADS" in os.environ:
-        return
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    torch.set_num_threads(max(1, min(torch.get_num_threads(), (cores or 1) - 1)))
-
-
 def run_engine_process(args: EngineArgs, command_addr: str, event_addr: str) -> None:
     """Process entry point (``multiprocessing`` spawn target)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -61,7 +49,6 @@ def run_engine_process(args: EngineArgs, command_addr: str, event_addr: str) -> 
         events.close()
         ctx.term()
         raise SystemExit(1) from None
-    _leave_a_core_for_http(core)
     events.send_pyobj(EngineReady(core.rpc("info")))
     parent = os.getppid()
 
