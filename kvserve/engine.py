@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import math
 import os
 import queue
 import sys
@@ -170,7 +169,6 @@ def parse_sampling(params: SamplingParams | dict[str, Any] | None) -> SamplingPa
     if params is None:
         return SamplingParams()
     if isinstance(params, SamplingParams):
-        _check_tensor_fit(params)
         params.validate()
         return params
     names = {f.name for f in dataclasses.fields(SamplingParams)}
@@ -183,30 +181,8 @@ def parse_sampling(params: SamplingParams | dict[str, Any] | None) -> SamplingPa
             v = values[key]
             values[key] = () if v is None else (v,) if isinstance(v, str | int) else tuple(v)
     sampling = SamplingParams(**values)
-    _check_tensor_fit(sampling)
     sampling.validate()
     return sampling
-
-
-def _check_tensor_fit(sampling: SamplingParams) -> None:
-    """Refuse values the scheduler's batch tensors cannot hold (float32 temperature,
-    top_p, min_p; int32 top_k; int64 seed; bool flags): packing them would crash the
-    engine loop for every request, not just this one. Raises RequestRejected."""
-    for name in ("temperature", "top_p", "min_p"):
-        value = getattr(sampling, name)
-        try:
-            finite = isinstance(value, int | float) and math.isfinite(value)
-        except OverflowError:  # an int beyond float range
-            finite = False
-        if not finite:
-            raise RequestRejected(f"{name} must be a finite number, got {value!r}")
-    for name in ("ignore_eos", "return_logprob"):
-        if not isinstance(getattr(sampling, name), bool):
-            raise RequestRejected(f"{name} must be true or false, got {getattr(sampling, name)!r}")
-    if isinstance(sampling.top_k, int) and sampling.top_k > 2**31 - 1:
-        raise RequestRejected(f"top_k must be at most 2**31 - 1, got {sampling.top_k}")
-    if isinstance(sampling.seed, int) and sampling.seed > 2**63 - 1:
-        raise RequestRejected(f"seed must be at most 2**63 - 1, got {sampling.seed}")
 
 
 def leave_a_core_free(device: str) -> None:
@@ -276,9 +252,6 @@ class EngineCore:
             if bound is not None and len(self.scheduler.waiting) >= bound:
                 self.queue_full += 1
                 raise QueueFull(f"the waiting queue is full ({bound} requests); retry later")
-            vocab = self.runner.config.vocab_size
-            if any(isinstance(t, int) and t >= vocab for t in request.input_ids):
-                raise RequestRejected(f"token ids must be below the vocabulary size {vocab}")
             vocab = self.runner.config.vocab_size
             if any(isinstance(t, int) and t >= vocab for t in request.input_ids):
                 raise RequestRejected(f"token ids must be below the vocabulary size {vocab}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,7 +41,25 @@ class SamplingParams:
     return_logprob: bool = False  # log-probability of each chosen token (model's logits)
 
     def validate(self) -> None:
-        """Raises RequestRejected naming the first bad field."""
+        """Raises RequestRejected naming the first bad field. Values must also fit the
+        batch tensors (float32 temperature/top_p/min_p, int32 top_k, int64 seed, bool
+        flags): a value that cannot be packed would fail the whole step, not one request."""
+        for name in ("temperature", "top_p", "min_p"):
+            value = getattr(self, name)
+            try:
+                finite = isinstance(value, int | float) and math.isfinite(value)
+            except OverflowError:  # an int beyond float range
+                finite = False
+            if not finite or isinstance(value, bool):
+                raise RequestRejected(f"{name} must be a finite number, got {value!r}")
+        for name in ("ignore_eos", "return_logprob"):
+            if not isinstance(getattr(self, name), bool):
+                raise RequestRejected(f"{name} must be true or false, got "
+                                      f"{getattr(self, name)!r}")
+        if isinstance(self.top_k, int) and self.top_k > 2**31 - 1:
+            raise RequestRejected(f"top_k must be at most 2**31 - 1, got {self.top_k}")
+        if isinstance(self.seed, int) and self.seed > 2**63 - 1:
+            raise RequestRejected(f"seed must be at most 2**63 - 1, got {self.seed}")
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 0:
             raise RequestRejected(f"max_new_tokens must be an integer >= 0, got "
                                   f"{self.max_new_tokens!r}")

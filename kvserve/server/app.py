@@ -32,6 +32,7 @@ from typing import Any, TypeVar
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kvserve.detokenize import TextStream
@@ -311,6 +312,15 @@ def create_app(args: ServerArgs, server: Server | None = None) -> FastAPI:
 
     app = FastAPI(title="kvserve", lifespan=lifespan)
     app.state.server = srv
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        """Unknown paths (404) and wrong methods (405) in OpenAI's error shape too."""
+        return _error_response(ApiError(exc.status_code, str(exc.detail),
+                                        kind="not_found_error" if exc.status_code == 404
+                                        else "invalid_request_error",
+                                        headers=dict(exc.headers or {})))
+
     if args.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=args.api_key)
 

@@ -92,7 +92,7 @@ class EngineClient:
             if await self._events.poll(200):
                 first = await self._events.recv_pyobj()
                 if isinstance(first, EngineReady):
-                    self.info = first.info
+                    self.info, self.stats = first.info, first.stats
                     break
                 message = first.message if isinstance(first, EngineFailed) else repr(first)
                 raise EngineDead(f"engine failed to start: {message}")
@@ -110,8 +110,10 @@ class EngineClient:
         self._closing = True
         proc = self.process
         if proc is not None and proc.is_alive():
+            # NOBLOCK: a dying engine has closed its socket, and a blocking send to no
+            # peer would wait forever (SIGTERM then never ends the server)
             with contextlib.suppress(zmq.ZMQError):
-                await self._commands.send_pyobj(("stop", "server shutting down"))
+                await self._commands.send_pyobj(("stop", "server shutting down"), zmq.NOBLOCK)
             deadline = time.monotonic() + timeout_s
             while proc.is_alive() and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)

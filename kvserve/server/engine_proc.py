@@ -20,11 +20,12 @@ from typing import Any, NamedTuple
 
 import zmq
 
-from kvserve.engine import Command, EngineArgs, EngineCore, Event
+from kvserve.engine import Command, EngineArgs, EngineCore, EngineStats, Event
 
 
 class EngineReady(NamedTuple):
     info: dict[str, Any]  # EngineCore.rpc("info")
+    stats: EngineStats  # so /metrics has every series from the start
 
 
 class EngineFailed(NamedTuple):
@@ -49,7 +50,7 @@ def run_engine_process(args: EngineArgs, command_addr: str, event_addr: str) -> 
         events.close()
         ctx.term()
         raise SystemExit(1) from None
-    events.send_pyobj(EngineReady(core.rpc("info")))
+    events.send_pyobj(EngineReady(core.rpc("info"), core.stats()))
     parent = os.getppid()
 
     def recv(timeout_s: float) -> list[Command]:

@@ -39,7 +39,9 @@ class ApiError(Exception):
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # strict: a JSON type mismatch ("stream": "yes", "max_tokens": true) is a 400, as at
+    # OpenAI, not a silent coercion (ints still pass for floats)
+    model_config = ConfigDict(extra="ignore", strict=True)
 
 
 class StreamOptions(_Body):

@@ -50,6 +50,13 @@ class LiveServer:
     def post(self, path: str, **kw: object) -> httpx.Response:
         return httpx.post(self.url + path, headers=self.headers, timeout=60, **kw)  # type: ignore[arg-type]
 
+    def metrics(self) -> dict[str, float]:
+        """``/metrics`` as {sample name with labels: value} for the kvserve: samples."""
+        text = self.get("/metrics").text
+        return {name: float(value) for name, value in
+                (line.rsplit(" ", 1) for line in text.splitlines()
+                 if line.startswith("kvserve:"))}
+
     def check(self) -> dict:
         r = self.get("/debug/check")
         assert r.status_code == 200, r.text
