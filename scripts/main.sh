@@ -4,7 +4,7 @@
 # prompts through the official openai client (128 conversations x 6 turns, 16 at once,
 # streaming), print throughput, TTFT/ITL percentiles, prefix hit ratio and the
 # invariant checker's verdict, write reports/chat-<time>/ (summary.json, summary.md,
-# timeline.png, server.log), and stop the server. Arguments go to
+# timeline.png, timeline.csv, requests.jsonl, server.log), and stop the server. Arguments go to
 # `kvserve bench chat` (--url, --model, --conversations, --turns, --concurrency,
 # --max-tokens, --report-dir; see --help). Exit 0 only when no request failed and
 # the checker was clean.

@@ -669,6 +669,7 @@ def run_chat_job(opts: ChatJobOptions) -> int:
     summary = summarize(outcome, opts, url, model_path, server_exit)
     write_report(report_dir, summary, outcome)
     print("\n".join(summary_lines(summary)))
-    print(f"report            {report_dir}/ (summary.json, summary.md, timeline.png"
+    print(f"report            {report_dir}/ (summary.json, summary.md, timeline.png, "
+          f"timeline.csv, requests.jsonl"
           f"{', server.log' if server else ''})", flush=True)
     return 0 if summary["ok"] else 1

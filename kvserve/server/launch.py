@@ -16,19 +16,29 @@ _POLICIES = ("fcfs", "lpm")
 _GRACE_S = 5  # after SIGINT/SIGTERM, open requests may finish for this long
 
 
+class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows a default only where it says something (not None, False or said already)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default in (None, False) or "default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
 def add_serve_parser(commands: argparse._SubParsersAction, positive: object,
                      non_negative: object) -> None:
     """Register ``serve`` on the top-level subcommands (no server imports here)."""
     serve = commands.add_parser(
-        "serve", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        "serve", formatter_class=_DefaultsFormatter,
         help="OpenAI-compatible HTTP server",
         description="Serve a checkpoint over HTTP (OpenAI /v1/completions and "
         "/v1/chat/completions, SGLang /generate). Without --model, a tiny random-weight "
         "default model.",
     )
-    serve.add_argument("--model", help="HF checkpoint folder (default: tiny random model)")
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=non_negative, default=30000)
+    serve.add_argument("--model", help="HF checkpoint folder; without it, the tiny "
+                       "random-weight default model")
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    serve.add_argument("--port", type=non_negative, default=30000, help="port to listen on")
     serve.add_argument("--served-model-name", help="name in /v1/models (default: folder name)")
     serve.add_argument("--page-size", type=positive, default=16, help="KV page size in tokens")
     serve.add_argument("--max-total-tokens", type=positive, default=None,
@@ -37,22 +47,28 @@ def add_serve_parser(commands: argparse._SubParsersAction, positive: object,
                        help="tokens per prefill chunk (<= 0 disables chunking)")
     serve.add_argument("--context-length", type=positive, default=None,
                        help="max tokens per request (default: the model's, at most 8192)")
-    serve.add_argument("--max-running-requests", type=positive, default=64)
+    serve.add_argument("--max-running-requests", type=positive, default=64,
+                       help="requests decoding at once (rows of the request-to-token table)")
     serve.add_argument("--max-queued-requests", type=positive, default=None,
                        help="waiting-queue bound; beyond it requests get 429")
-    serve.add_argument("--disable-radix-cache", action="store_true")
-    serve.add_argument("--schedule-policy", choices=_POLICIES, default="fcfs")
+    serve.add_argument("--disable-radix-cache", action="store_true",
+                       help="no prefix sharing between requests")
+    serve.add_argument("--schedule-policy", choices=_POLICIES, default="fcfs",
+                       help="admission order: first come, or longest prefix match")
     serve.add_argument("--api-key", help="require 'Authorization: Bearer KEY'")
     serve.add_argument("--enable-debug-endpoints", action="store_true",
                        help="add GET /debug/check (strict invariant check when idle)")
     serve.add_argument("--strict-checks", action="store_true",
                        help="run the strict checker after every step (slow; tests)")
-    serve.add_argument("--device", default=None, help="cpu, cuda or cuda:N")
-    serve.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
+    serve.add_argument("--device", default=None,
+                       help="cpu, cuda or cuda:N (default: cuda when available)")
+    serve.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
+                       help="weights and KV (default: float32 on CPU, bfloat16 on GPU)")
     serve.add_argument("--attention-backend", choices=["auto", "torch", "triton"],
-                       default="auto")
+                       default="auto", help="auto: triton on CUDA, else torch")
     serve.add_argument("--log-level", default="warning",
-                       choices=["critical", "error", "warning", "info", "debug"])
+                       choices=["critical", "error", "warning", "info", "debug"],
+                       help="uvicorn's log level")
 
 
 def _uvicorn_server(config: Any, abort_inflight: Callable[[], None]) -> Any:
