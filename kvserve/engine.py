@@ -33,7 +33,7 @@ from kvserve.detokenize import TextStream
 from kvserve.sched.req import QueueFull, Req, RequestRejected, SamplingParams
 from kvserve.sched.scheduler import ReqOutput, Scheduler, SchedulerConfig
 
-_STOP_TAIL_TOKENS = 16  # tokens decoded to look for a stop string ending at the last one
+_STOP_TAIL_TOKENS = 16  # at least this many tokens decoded to look for a stop string
 _STATS_INTERVAL_S = 0.1  # the loop emits an EngineStats at most this often while busy
 _IDLE_WAIT_S = 0.05  # how long an idle loop waits for a command before looking again
 
@@ -210,7 +210,7 @@ class EngineCore:
         model_path = args.model_path
         if model_path is None:
             model_path = default_model_dir()
-            print(f"kvserve: no model given; using the tiny default at {model_path} "
+            print(f"kvserve: using the tiny default model at {model_path} "
                   "(random weights: the text it writes is meaningless)", file=sys.stderr)
         device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
         leave_a_core_free(device)
@@ -334,14 +334,16 @@ class EngineCore:
         ``recv(timeout_s)`` returns the commands that arrived (waiting up to
         ``timeout_s`` for the first; 0 = just look); ``deliver`` takes each step's
         events in order. The loop blocks only when idle; stats go out at most every
-        ``_STATS_INTERVAL_S`` while busy and once on becoming idle.
+        ``_STATS_INTERVAL_S`` while busy, on becoming idle or busy, and after commands.
         """
         sched = self.scheduler
         last_stats = 0.0
         was_idle = True
         while True:
             events: list[Event] = []
-            for command in recv(_IDLE_WAIT_S if sched.is_idle else 0.0):
+            commands = recv(_IDLE_WAIT_S if sched.is_idle else 0.0)
+            handled = bool(commands)  # e.g. a flush or an abort while idle: fresh stats
+            for command in commands:
                 if command[0] == "stop":
                     deliver(self.abort_all(command[1] or "engine shut down"))
                     return
@@ -351,7 +353,8 @@ class EngineCore:
             events += sched.step() if not sched.is_idle else sched.take_outputs()
             events += self._answer_checks()
             now = time.monotonic()
-            if now - last_stats >= _STATS_INTERVAL_S or sched.is_idle != was_idle:
+            busy_due = not sched.is_idle and now - last_stats >= _STATS_INTERVAL_S
+            if busy_due or sched.is_idle != was_idle or handled:
                 events.append(self.stats())
                 last_stats, was_idle = now, sched.is_idle
             if events:
@@ -369,7 +372,11 @@ class EngineCore:
         return [Reply(tag, report) for tag, _ in due]
 
     def _match_stop(self, req: Req) -> str | None:
-        tail = str(self.tokenizer.decode(req.output_ids[-_STOP_TAIL_TOKENS:],
+        # a token is at least one byte of text: the tail must cover the longest stop string
+        # in bytes (+2 for characters cut at its edges), or a long stop is never seen
+        longest = max(len(s.encode()) for s in req.sampling.stop)
+        tail_tokens = max(_STOP_TAIL_TOKENS, longest + 2)
+        tail = str(self.tokenizer.decode(req.output_ids[-tail_tokens:],
                                          skip_special_tokens=True))
         return next((s for s in req.sampling.stop if s in tail), None)
 
@@ -457,7 +464,7 @@ class Engine:
             if not all(isinstance(p, str) for p in prompt):
                 raise RequestRejected("prompt must be a string or a list of strings")
             return False, [self.tokenizer.encode(p) for p in prompt]
-        if input_ids and all(isinstance(t, int) for t in input_ids):
+        if input_ids and all(isinstance(t, int) and not isinstance(t, bool) for t in input_ids):
             return True, [list(input_ids)]
         if input_ids and all(isinstance(t, list | tuple) for t in input_ids):
             return False, [list(t) for t in input_ids]

@@ -237,3 +237,8 @@ def test_hold_back_of_a_possible_stop_prefix():
     assert _hold_back_stop_prefix("hello", ["xyz"]) == "hello"
     assert _hold_back_stop_prefix("abc", []) == "abc"
     assert _hold_back_stop_prefix("ab", ["b!", "ab?"]) == ""
+
+
+def test_booleans_are_not_token_ids(engine):
+    with pytest.raises(RequestRejected):
+        engine.generate(input_ids=[True, False])

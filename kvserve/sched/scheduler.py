@@ -237,7 +237,8 @@ class Scheduler:
         if len(prompt) > self.pools.allocator.size:
             raise RequestRejected(f"prompt of {len(prompt)} tokens exceeds the KV pool of "
                                   f"{self.pools.allocator.size} tokens")
-        if any(not isinstance(t, int) or not 0 <= t <= _INT32_MAX for t in prompt):
+        if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t <= _INT32_MAX
+               for t in prompt):
             raise RequestRejected("token ids must be integers in [0, 2**31 - 1]")
         req = Req(rid, prompt, sampling, extra_key)
         req.max_output_len = min(sampling.max_new_tokens, self.config.context_len - len(prompt))

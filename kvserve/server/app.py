@@ -33,6 +33,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kvserve.detokenize import TextStream
@@ -80,6 +81,7 @@ class Generation:
     last_token_at: float | None = None
     finished: bool = False
     disconnected: bool = False
+    logprobs_sent: int = 0  # streaming: tokens whose log-probabilities went out already
 
 
 class ApiKeyMiddleware:
@@ -114,6 +116,8 @@ def _api_error(err: BaseException) -> ApiError:
         return ApiError(400, str(err))
     if isinstance(err, EngineDead):
         return ApiError(503, f"engine unavailable: {err}", kind="server_error")
+    if isinstance(err, ClientDisconnect):  # hung up mid-body: nginx's 499, not a 500
+        return ApiError(499, "client closed the connection before sending the whole body")
     return ApiError(500, f"internal error: {type(err).__name__}: {err}", kind="server_error")
 
 
@@ -283,6 +287,20 @@ def _logprob_tokens(tokenizer: Any, ids: list[int]) -> list[str]:
     return [str(tokenizer.decode([i])) for i in ids]
 
 
+def _new_logprobs(gen: Generation, out: ReqOutput, stream: bool
+                  ) -> tuple[list[int], list[float]] | None:
+    """(token ids, log-probabilities) to put in a reply: all of them, or when streaming
+    only those not sent in an earlier event (the events add up to the whole list)."""
+    if out.output_logprobs is None:
+        return None
+    start = gen.logprobs_sent if stream else 0
+    values = list(out.output_logprobs[start:])
+    if stream and not values:
+        return None
+    gen.logprobs_sent = start + len(values)
+    return list(gen.text.ids[start:start + len(values)]), values
+
+
 def _stream_response(events: AsyncIterator[bytes]) -> StreamingResponse:
     return StreamingResponse(events, media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache"})
@@ -361,11 +379,11 @@ def create_app(args: ServerArgs, server: Server | None = None) -> FastAPI:
 
         def choice(text: str, out: ReqOutput) -> dict[str, Any]:
             logprobs = None
-            if want_logprobs and out.output_logprobs is not None:
-                ids_out = list(gen.text.ids)
-                logprobs = {"tokens": _logprob_tokens(srv.tokenizer, ids_out),
-                            "token_logprobs": list(out.output_logprobs),
-                            "top_logprobs": None, "text_offset": None}
+            new = _new_logprobs(gen, out, body.stream) if want_logprobs else None
+            if new is not None:
+                logprobs = {"tokens": _logprob_tokens(srv.tokenizer, new[0]),
+                            "token_logprobs": new[1], "top_logprobs": None,
+                            "text_offset": None}
             reason = out.finished_reason
             return {"index": 0, "text": text, "logprobs": logprobs,
                     "finish_reason": reason.kind.value if reason else None}
@@ -410,12 +428,13 @@ def create_app(args: ServerArgs, server: Server | None = None) -> FastAPI:
         created, rid = int(time.time()), f"chatcmpl-{gen.rid}"
 
         def logprobs(out: ReqOutput) -> dict[str, Any] | None:
-            if not body.logprobs or out.output_logprobs is None:
+            new = _new_logprobs(gen, out, body.stream) if body.logprobs else None
+            if new is None:
                 return None
-            tokens = _logprob_tokens(srv.tokenizer, list(gen.text.ids))
+            tokens = _logprob_tokens(srv.tokenizer, new[0])
             return {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode()),
                                  "top_logprobs": []}
-                                for t, lp in zip(tokens, out.output_logprobs, strict=False)]}
+                                for t, lp in zip(tokens, new[1], strict=False)]}
 
         def frame(choices: list[Any], usage: Any = None) -> dict[str, Any]:
             obj = {"id": rid, "object": "chat.completion.chunk" if body.stream

@@ -47,6 +47,9 @@ class RequestChannel:
     rid: str
     queue: asyncio.Queue[ReqOutput | Exception] = field(default_factory=asyncio.Queue)
     finished: bool = False
+    # its reader left before the engine finished it: kept until the engine's last output
+    # (or refusal) so that output never reaches a new request reusing the rid
+    orphaned: bool = False
 
 
 class EngineClient:
@@ -145,9 +148,11 @@ class EngineClient:
             answer = await ack
         except BaseException:
             self._acks.pop(rid, None)
-            self.channels.pop(rid, None)
             if not ack.done() or not isinstance(ack.result(), Rejected):
+                channel.orphaned = True  # until the engine's answer for this rid comes
                 self.abort(rid)  # cancelled while queued: the engine may hold it
+            else:
+                self.channels.pop(rid, None)
             raise
         if isinstance(answer, Rejected):
             self.channels.pop(rid, None)
@@ -161,8 +166,14 @@ class EngineClient:
             self._commands.send_pyobj(("abort", rid))
 
     def release(self, rid: str) -> None:
-        """Forget a request's channel (its reader is done with it)."""
-        self.channels.pop(rid, None)
+        """Forget a request's channel (its reader is done with it). One the engine has
+        not finished yet (the reader left early and aborted it) stays as an orphan until
+        its final output arrives: the rid stays taken until the engine lets go of it."""
+        channel = self.channels.get(rid)
+        if channel is None or channel.finished:
+            self.channels.pop(rid, None)
+        else:
+            channel.orphaned = True
 
     async def rpc(self, what: str, timeout_s: float = 30.0) -> Any:
         """Ask the engine (``EngineCore.rpc``: "stats", "info", "flush_cache", "check")."""
@@ -191,11 +202,17 @@ class EngineClient:
             channel = self.channels.get(event.rid)
             if channel is not None:
                 channel.finished = event.finished_reason is not None
-                channel.queue.put_nowait(event)
+                if not channel.orphaned:
+                    channel.queue.put_nowait(event)
+                elif channel.finished:
+                    del self.channels[event.rid]
         elif isinstance(event, Accepted | Rejected):
             ack = self._acks.pop(event.rid, None)
             if ack is not None and not ack.done():
                 ack.set_result(event)
+            orphan = self.channels.get(event.rid)
+            if isinstance(event, Rejected) and orphan is not None and orphan.orphaned:
+                del self.channels[event.rid]
         elif isinstance(event, Reply):
             reply = self._replies.get(event.tag)
             if reply is not None and not reply.done():

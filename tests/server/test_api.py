@@ -212,6 +212,7 @@ def test_flush_cache_only_when_idle_and_drops_cached_prefixes(server: LiveServer
     flushed = server.get("/flush_cache")
     assert flushed.status_code == 200 and flushed.text == "Cache flushed.\n"
     assert server.assert_clean()["pools"]["kv_tokens"]["evictable"] == 0
+    assert server.metrics()["kvserve:kv_cached_tokens"] == 0  # stats sent after the flush
     third = server.post(CMPL, json=_cmpl(prompt, max_tokens=1, temperature=0))
     assert third.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     assert third.json()["choices"][0]["text"] == first.json()["choices"][0]["text"]
