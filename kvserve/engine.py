@@ -15,6 +15,7 @@ process of its own behind ZMQ (``kvserve.server.engine_proc``).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import os
@@ -22,7 +23,7 @@ import queue
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -394,6 +395,10 @@ class Engine:
         self.model_path = self.core.model_path
         self._inbox: queue.Queue[Command] = queue.Queue()
         self._outboxes: dict[str, queue.Queue[ReqOutput | Exception]] = {}
+        # rids whose reader left before the engine finished them: their outbox stays (outputs
+        # dropped) until the engine's last output, so it never reaches a reuse of the rid
+        self._orphans: set[str] = set()
+        self._lock = threading.Lock()  # _outboxes / _orphans between callers and the loop
         self._rids = itertools.count()
         self._closed = False
         self._error: BaseException | None = None
@@ -417,8 +422,7 @@ class Engine:
             results = [self._collect(r) for r in rids]
         except Exception:
             for other in rids:  # one was rejected: stop the rest instead of orphaning them
-                self.abort(other)
-                self._outboxes.pop(other, None)
+                self._leave(other)
             raise
         return results[0] if single else results
 
@@ -428,7 +432,7 @@ class Engine:
         input_ids: Sequence[int] | None = None,
         sampling_params: SamplingParams | dict[str, Any] | None = None,
         rid: str | None = None,
-    ) -> Iterator[GenerateOutput]:
+    ) -> Generator[GenerateOutput, None, None]:  # close() it to walk away early
         """Yield a ``GenerateOutput`` per step that produced tokens; ``delta`` is the new
         text (incomplete UTF-8 held back); the last one has ``finish_reason`` set."""
         single, requests = self._requests(prompt, input_ids)
@@ -476,9 +480,10 @@ class Engine:
         if self._error is not None:
             raise RuntimeError(f"engine loop died: {self._error!r}")
         rid = rid or f"gen-{next(self._rids)}"
-        if rid in self._outboxes:
-            raise RequestRejected(f"duplicate request id {rid!r}")
-        self._outboxes[rid] = queue.Queue()
+        with self._lock:
+            if rid in self._outboxes:
+                raise RequestRejected(f"duplicate request id {rid!r}")
+            self._outboxes[rid] = queue.Queue()
         self._inbox.put(("add", AddRequest(rid, ids, sampling)))
         return rid
 
@@ -503,9 +508,28 @@ class Engine:
                     list(item.output_logprobs) if item.output_logprobs is not None else None,
                 )
         finally:
-            if not finished:  # the reader walked away: stop the request
-                self.abort(rid)
-            self._outboxes.pop(rid, None)
+            if finished:
+                self._outboxes.pop(rid, None)
+            else:  # the reader walked away: stop the request
+                self._leave(rid)
+
+    def _leave(self, rid: str) -> None:
+        """The reader of ``rid`` is gone before its end: abort it; the rid stays taken
+        (an orphan) until the engine's last output for it, unless that came already."""
+        with self._lock:
+            box = self._outboxes.get(rid)
+            if box is None:
+                return
+            done = False
+            with contextlib.suppress(queue.Empty):
+                while True:
+                    item = box.get_nowait()
+                    done = done or isinstance(item, Exception) or item.finished_reason is not None
+            if done:
+                del self._outboxes[rid]
+                return
+            self._orphans.add(rid)
+        self.abort(rid)
 
     def _collect(self, rid: str) -> GenerateOutput:
         last = None
@@ -527,22 +551,33 @@ class Engine:
             return commands
 
     def _deliver(self, events: Sequence[Event]) -> None:
-        for event in events:
-            if isinstance(event, ReqOutput | Rejected):
+        with self._lock:
+            for event in events:
+                if not isinstance(event, ReqOutput | Rejected):
+                    continue
                 box = self._outboxes.get(event.rid)
-                if box is not None:
-                    box.put(event if isinstance(event, ReqOutput)
-                            else RequestRejected(event.message))
+                if box is None:
+                    continue
+                if event.rid in self._orphans:  # nobody reads it: drop, free the rid at the end
+                    if isinstance(event, Rejected) or event.finished_reason is not None:
+                        self._orphans.discard(event.rid)
+                        del self._outboxes[event.rid]
+                    continue
+                box.put(event if isinstance(event, ReqOutput) else RequestRejected(event.message))
 
     def _loop(self) -> None:
         try:
             self.core.run(self._recv, self._deliver)
         except BaseException as err:  # report to every waiting caller instead of hanging
             self._error = err
-            for box in self._outboxes.values():
+            with self._lock:  # a copy: readers pop their outbox as they finish
+                boxes = list(self._outboxes.values())
+            for box in boxes:
                 box.put(RuntimeError(f"engine loop died: {err!r}"))
             raise
-        for box in self._outboxes.values():
+        with self._lock:
+            boxes = list(self._outboxes.values())
+        for box in boxes:
             box.put(RuntimeError("engine shut down"))
 
 

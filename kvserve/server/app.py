@@ -558,7 +558,11 @@ def create_app(args: ServerArgs, server: Server | None = None) -> FastAPI:
         stats = srv.client.stats
         return JSONResponse({**srv.client.info, "served_model_name": srv.model_name,
                              "tp_size": 1, "dp_size": 1, "disaggregation_mode": "null",
-                             "stats": stats._asdict() if stats else None})
+                             "stats": stats._asdict() if stats else None,
+                             # HTTP side: request channels (orphans included) and replies
+                             # in progress; both 0 at idle, or a rid is held forever
+                             "http_channels": len(srv.client.channels),
+                             "http_inflight": len(srv.inflight)})
 
     @app.get("/get_load")
     @endpoint
