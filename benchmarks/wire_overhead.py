@@ -46,8 +46,6 @@ import asyncio
 import json
 import os
 import random
-import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -286,57 +284,6 @@ def run_http(url: str, spec: dict[str, Any], workdir: Path, server_pid: int) -> 
     return phases
 
 
-class Server:
-    """``kvserve serve`` in a subprocess on a free loopback port."""
-
-    def __init__(self, flags: list[str], workdir: Path, torch_threads: int | None) -> None:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = int(s.getsockname()[1])
-        self.url = f"http://127.0.0.1:{port}"
-        self.log = workdir / "server.log"
-        cmd = [sys.executable, "-m", "kvserve.cli", "serve", "--port", str(port),
-               "--served-model-name", MODEL_NAME, "--enable-debug-endpoints", *flags]
-        env = {**os.environ, "PYTHONUNBUFFERED": "1",
-               "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT),
-                                                         os.environ.get("PYTHONPATH")) if p)}
-        if torch_threads:  # the engine process inherits it; torch reads it at import
-            env["OMP_NUM_THREADS"] = str(torch_threads)
-        with self.log.open("wb") as out:
-            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
-
-    def wait_healthy(self, timeout_s: float = 180) -> None:
-        import httpx
-
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited ({self.proc.returncode}):\n"
-                                   f"{self.log.read_text(errors='replace')}")
-            try:
-                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise RuntimeError(f"server not healthy after {timeout_s} s")
-
-    def check(self) -> dict[str, Any]:
-        import httpx
-
-        report: dict[str, Any] = httpx.get(self.url + "/debug/check", timeout=60).json()
-        return report
-
-    def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            return self.proc.wait()
-
-
 # -- the benchmark -----------------------------------------------------------------------
 def compare(inproc: dict[str, Any], http: dict[str, Any]) -> dict[str, Any]:
     """The wire's cost in one round, from the two sides' phase summaries."""
@@ -422,10 +369,12 @@ def print_table(report: dict[str, Any]) -> None:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    import httpx
     import torch
 
     from kvserve.engine import Engine
     from kvserve.model.init import default_model_dir
+    from kvserve.server.process import ServerProcess
 
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)
@@ -436,7 +385,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     rounds: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="kvserve-wire-") as tmp:
         workdir = Path(tmp)
-        server = Server(server_flags(model, settings), workdir, args.torch_threads)
+        # torch_threads: the engine process inherits it; torch reads it at import
+        threads = {"OMP_NUM_THREADS": str(args.torch_threads)} if args.torch_threads else {}
+        server = ServerProcess(
+            ["--served-model-name", MODEL_NAME, "--enable-debug-endpoints",
+             *server_flags(model, settings)], workdir / "server.log",
+            env={"PYTHONPATH": os.pathsep.join(p for p in (str(ROOT),
+                                                           os.environ.get("PYTHONPATH")) if p),
+                 **threads})
+        server.launch()
         engine = None
         try:
             engine = Engine(model_path=model, page_size=settings["page_size"],
@@ -444,19 +401,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                             max_running_requests=settings["max_running_requests"],
                             chunked_prefill_size=settings["chunked_prefill_size"],
                             context_len=settings["context_len"], device=settings["device"])
-            server.wait_healthy()
+            server.wait_healthy(180)
             for r in range(args.rounds):
                 spec = make_spec(args, vocab_size, r)
                 inproc = run_inproc(engine, spec)
+                assert server.proc is not None
                 http = run_http(server.url, spec, workdir, server.proc.pid)
                 rounds.append({"inproc": inproc, "http": http,
                                "compare": compare(inproc, http)})
-            server_check = server.check()
+            server_check = httpx.get(server.url + "/debug/check", timeout=60).json()
             inproc_violations = engine.scheduler.stats.violations
         finally:
             if engine is not None:
                 engine.shutdown()
-            server_code = server.stop()
+            server_code = server.stop(60)
     summary = {key: statistics.median(rnd["compare"][key] for rnd in rounds)
                for key in rounds[0]["compare"]}
     return {

@@ -27,11 +27,8 @@ from __future__ import annotations
 import asyncio
 import csv
 import json
-import os
 import random
 import signal
-import socket
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -40,10 +37,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvserve.server.process import ServerProcess, ServerStartError
+
 METRICS_PERIOD_S = 0.25
 STARTUP_TIMEOUT_S = 300.0  # first start on a fresh machine also writes the default model
 REQUEST_TIMEOUT_S = 600.0
-LOG_TAIL_LINES = 30
 
 
 class JobSetupError(RuntimeError):
@@ -198,74 +196,6 @@ def percentile(values: list[float], p: float) -> float | None:
 
 
 # -- server ---------------------------------------------------------------------------------
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
-    try:
-        text = path.read_text(errors="replace").rstrip().splitlines()
-    except OSError:
-        return "(no server log)"
-    return "\n".join(text[-lines:]) or "(server log is empty)"
-
-
-class ServerProcess:
-    """``kvserve serve --enable-debug-endpoints`` on a free loopback port, output to
-    ``log_path``, in its own session so a terminal's Ctrl-C reaches only this job,
-    which then stops it."""
-
-    def __init__(self, model: str | None, log_path: Path) -> None:
-        self.log_path = log_path
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.cmd = [sys.executable, "-m", "kvserve.cli", "serve", "--enable-debug-endpoints",
-                    "--port", str(self.port)]
-        if model:
-            self.cmd += ["--model", model]
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self, timeout_s: float = STARTUP_TIMEOUT_S) -> None:
-        """Start and wait for GET /health; raises JobSetupError with the log's tail."""
-        import httpx
-
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        with self.log_path.open("wb") as log:
-            self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL, env=env,
-                                         start_new_session=True)
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise JobSetupError(f"the server exited with status {self.proc.returncode} "
-                                    f"before it was healthy; last lines of {self.log_path}:\n"
-                                    f"{_tail(self.log_path)}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.25)
-        self.stop()
-        raise JobSetupError(f"the server was not healthy after {timeout_s:.0f} s; last lines "
-                            f"of {self.log_path}:\n{_tail(self.log_path)}")
-
-    def stop(self, timeout_s: float = 30.0) -> int | None:
-        """SIGTERM, wait (then SIGKILL); the exit status, None if never started."""
-        if self.proc is None:
-            return None
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
-
 
 def _target(url: str, api_key: str | None) -> tuple[str, str]:
     """(model id, model path or id) of a running server; raises JobSetupError."""
@@ -646,10 +576,12 @@ def run_chat_job(opts: ChatJobOptions) -> int:
     with _sigterm_as_interrupt():
         try:
             if opts.url is None:
-                server = ServerProcess(opts.model, report_dir / "server.log")
+                flags = ["--enable-debug-endpoints", *(["--model", opts.model] if opts.model
+                                                       else [])]
+                server = ServerProcess(flags, report_dir / "server.log", own_session=True)
                 print(f"kvserve: starting the server ({' '.join(server.cmd[1:])}); log in "
                       f"{server.log_path}", file=sys.stderr, flush=True)
-                server.start()
+                server.start(STARTUP_TIMEOUT_S)
                 url = server.url
             else:
                 url = opts.url.rstrip("/").removesuffix("/v1")
@@ -657,7 +589,7 @@ def run_chat_job(opts: ChatJobOptions) -> int:
             print(f"kvserve: {len(convs)} conversations x {opts.turns} turns to {url} (model "
                   f"{model_path}), concurrency {opts.concurrency}", file=sys.stderr, flush=True)
             outcome = asyncio.run(run_workload(url, model, convs, opts))
-        except JobSetupError as err:
+        except (JobSetupError, ServerStartError) as err:
             print(f"kvserve: {err}", file=sys.stderr)
             return 2
         except KeyboardInterrupt:

@@ -48,6 +48,7 @@ from kvserve.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     GenerateRequest,
+    OpenAIRequest,
 )
 
 DISCONNECT_POLL_S = 0.05  # every in-flight request is checked this often
@@ -316,6 +317,44 @@ async def _sse_with_errors(events: AsyncIterator[bytes]) -> AsyncIterator[bytes]
     yield _SSE_DONE
 
 
+def _finish_kind(out: ReqOutput) -> str | None:
+    reason = out.finished_reason
+    return reason.kind.value if reason else None
+
+
+async def _openai_reply(srv: Server, gen: Generation, body: OpenAIRequest, reply_id: str,
+                        object_name: str, choice: Callable[[str, ReqOutput], dict[str, Any]],
+                        opening: dict[str, Any] | None = None) -> Response:
+    """The reply of both OpenAI endpoints: one JSON object, or (``body.stream``) an SSE
+    stream with ``opening`` first, a chunk per step that shows text or finishes, the
+    usage chunk when ``stream_options.include_usage``, and ``[DONE]``. ``choice(text,
+    output)`` builds the endpoint's choice object from new (or, unstreamed, all) text."""
+    created = int(time.time())
+
+    def frame(choices: list[Any], usage: Any = None) -> dict[str, Any]:
+        obj = {"id": reply_id, "object": object_name, "created": created,
+               "model": srv.model_name, "choices": choices}
+        if usage is not None or not body.stream:
+            obj["usage"] = usage
+        return obj
+
+    if not body.stream:
+        text, out = await srv.final(gen)
+        return JSONResponse(frame([choice(text, out)], _usage(out)))
+    include_usage = body.stream_options is not None and body.stream_options.include_usage
+
+    async def events() -> AsyncIterator[bytes]:
+        if opening is not None:
+            yield _sse(frame([opening]))
+        async for delta, out in srv.outputs(gen):
+            finished = out.finished_reason is not None
+            if delta or finished:
+                yield _sse(frame([choice(delta, out)]))
+            if finished and include_usage:
+                yield _sse(frame([], _usage(out)))
+    return _stream_response(_sse_with_errors(events()))
+
+
 def create_app(args: ServerArgs, server: Server | None = None) -> FastAPI:
     """The ASGI app; its lifespan starts and stops the engine process."""
     srv = server or Server(args)
@@ -375,7 +414,6 @@ def create_app(args: ServerArgs, server: Server | None = None) -> FastAPI:
         want_logprobs = body.logprobs is not None and body.logprobs > 0
         sampling = body.sampling(body.max_tokens, 16, srv.context_len, want_logprobs)
         gen = await srv.submit(request, ids, sampling, body.rid)
-        created, rid = int(time.time()), f"cmpl-{gen.rid}"
 
         def choice(text: str, out: ReqOutput) -> dict[str, Any]:
             logprobs = None
@@ -384,29 +422,11 @@ def create_app(args: ServerArgs, server: Server | None = None) -> FastAPI:
                 logprobs = {"tokens": _logprob_tokens(srv.tokenizer, new[0]),
                             "token_logprobs": new[1], "top_logprobs": None,
                             "text_offset": None}
-            reason = out.finished_reason
             return {"index": 0, "text": text, "logprobs": logprobs,
-                    "finish_reason": reason.kind.value if reason else None}
+                    "finish_reason": _finish_kind(out)}
 
-        def frame(choices: list[Any], usage: Any = None) -> dict[str, Any]:
-            obj = {"id": rid, "object": "text_completion", "created": created,
-                   "model": srv.model_name, "choices": choices}
-            if usage is not None or not body.stream:
-                obj["usage"] = usage
-            return obj
-
-        if not body.stream:
-            text, out = await srv.final(gen)
-            return JSONResponse(frame([choice(text, out)], _usage(out)))
-
-        async def events() -> AsyncIterator[bytes]:
-            async for delta, out in srv.outputs(gen):
-                if delta or out.finished_reason is not None:
-                    yield _sse(frame([choice(delta, out)]))
-                if out.finished_reason is not None and body.stream_options \
-                        and body.stream_options.include_usage:
-                    yield _sse(frame([], _usage(out)))
-        return _stream_response(_sse_with_errors(events()))
+        return await _openai_reply(srv, gen, body, f"cmpl-{gen.rid}", "text_completion",
+                                   choice)
 
     @app.post("/v1/chat/completions")
     @endpoint
@@ -425,7 +445,6 @@ def create_app(args: ServerArgs, server: Server | None = None) -> FastAPI:
         sampling = body.sampling(body.max_new_tokens, srv.context_len, srv.context_len,
                                  body.logprobs)
         gen = await srv.submit(request, ids, sampling, body.rid)
-        created, rid = int(time.time()), f"chatcmpl-{gen.rid}"
 
         def logprobs(out: ReqOutput) -> dict[str, Any] | None:
             new = _new_logprobs(gen, out, body.stream) if body.logprobs else None
@@ -436,35 +455,19 @@ def create_app(args: ServerArgs, server: Server | None = None) -> FastAPI:
                                  "top_logprobs": []}
                                 for t, lp in zip(tokens, new[1], strict=False)]}
 
-        def frame(choices: list[Any], usage: Any = None) -> dict[str, Any]:
-            obj = {"id": rid, "object": "chat.completion.chunk" if body.stream
-                   else "chat.completion", "created": created, "model": srv.model_name,
-                   "choices": choices}
-            if usage is not None or not body.stream:
-                obj["usage"] = usage
-            return obj
+        def choice(text: str, out: ReqOutput) -> dict[str, Any]:
+            if body.stream:
+                message = {"delta": {"content": text} if text else {}}
+            else:
+                message = {"message": {"role": "assistant", "content": text}}
+            return {"index": 0, **message, "logprobs": logprobs(out),
+                    "finish_reason": _finish_kind(out)}
 
-        if not body.stream:
-            text, out = await srv.final(gen)
-            reason = out.finished_reason
-            return JSONResponse(frame([{
-                "index": 0, "message": {"role": "assistant", "content": text},
-                "logprobs": logprobs(out), "finish_reason": reason.kind.value if reason else None,
-            }], _usage(out)))
-
-        async def events() -> AsyncIterator[bytes]:
-            yield _sse(frame([{"index": 0, "delta": {"role": "assistant", "content": ""},
-                               "logprobs": None, "finish_reason": None}]))
-            async for delta, out in srv.outputs(gen):
-                reason = out.finished_reason
-                if delta or reason is not None:
-                    yield _sse(frame([{"index": 0, "delta": {"content": delta} if delta else {},
-                                       "logprobs": logprobs(out),
-                                       "finish_reason": reason.kind.value if reason else None}]))
-                if reason is not None and body.stream_options \
-                        and body.stream_options.include_usage:
-                    yield _sse(frame([], _usage(out)))
-        return _stream_response(_sse_with_errors(events()))
+        opening = {"index": 0, "delta": {"role": "assistant", "content": ""},
+                   "logprobs": None, "finish_reason": None}
+        return await _openai_reply(
+            srv, gen, body, f"chatcmpl-{gen.rid}",
+            "chat.completion.chunk" if body.stream else "chat.completion", choice, opening)
 
     @app.post("/generate")
     @endpoint

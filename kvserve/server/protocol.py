@@ -48,7 +48,7 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
-class _OpenAISampling(_Body):
+class OpenAIRequest(_Body):
     """Fields both OpenAI endpoints share, plus SGLang/vLLM extras (top_k, min_p, ...)."""
 
     model: str
@@ -97,7 +97,7 @@ class _OpenAISampling(_Body):
             raise ApiError(400, str(err)) from None
 
 
-class CompletionRequest(_OpenAISampling):
+class CompletionRequest(OpenAIRequest):
     """``POST /v1/completions``. ``prompt``: a string or a list of token ids (a list of
     one string or of one id list is accepted too)."""
 
@@ -134,7 +134,7 @@ class ChatMessage(_Body):
         return self.content or ""
 
 
-class ChatCompletionRequest(_OpenAISampling):
+class ChatCompletionRequest(OpenAIRequest):
     """``POST /v1/chat/completions``."""
 
     messages: list[ChatMessage]

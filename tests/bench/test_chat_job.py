@@ -11,9 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from kvserve.bench.chat import chat_conversations, free_port
+from kvserve.bench.chat import chat_conversations
 from kvserve.cli import main
 from kvserve.model.init import init_model
+from kvserve.server.process import free_port
 
 PAGE = 16  # kvserve serve's default page size
 

@@ -10,12 +10,8 @@ SIGTERM and asserts a clean exit of both processes.
 
 from __future__ import annotations
 
-import os
-import signal
-import socket
+import itertools
 import subprocess
-import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,22 +19,29 @@ import httpx
 import pytest
 
 from kvserve.model.init import init_model
+from kvserve.server.process import ServerProcess, ServerStartError
 
 MODEL_NAME = "tiny"  # --served-model-name of the test servers
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+_SERVER_NUMBERS = itertools.count()  # names the log files
 
 
 @dataclass
 class LiveServer:
-    url: str
-    proc: subprocess.Popen[bytes]
-    log: Path
+    process: ServerProcess
     api_key: str | None = None
+
+    @property
+    def url(self) -> str:
+        return self.process.url
+
+    @property
+    def proc(self) -> subprocess.Popen[bytes]:
+        assert self.process.proc is not None
+        return self.process.proc
+
+    @property
+    def log(self) -> Path:
+        return self.process.log_path
 
     @property
     def headers(self) -> dict[str, str]:
@@ -77,40 +80,23 @@ class LiveServer:
 
     def stop(self, timeout: float = 30) -> int:
         """SIGTERM, wait; returns the exit code (both processes must be gone)."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            raise AssertionError(f"server did not exit on SIGTERM:\n{self.logs()}") from None
+        code = self.process.stop(timeout)
+        if self.process.killed:
+            raise AssertionError(f"server did not exit on SIGTERM:\n{self.logs()}")
+        assert code is not None
+        return code
 
 
 def start_server(model_dir: Path, log_dir: Path, *flags: str, api_key: str | None = None,
                  startup_timeout: float = 120) -> LiveServer:
-    port = free_port()
-    log = log_dir / f"server-{port}.log"
-    cmd = [sys.executable, "-m", "kvserve.cli", "serve", "--model", str(model_dir),
-           "--port", str(port), "--served-model-name", MODEL_NAME, "--enable-debug-endpoints",
-           *flags]
-    if api_key:
-        cmd += ["--api-key", api_key]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    with log.open("wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
-    server = LiveServer(f"http://127.0.0.1:{port}", proc, log, api_key)
-    deadline = time.monotonic() + startup_timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise AssertionError(f"server exited with {proc.returncode}:\n{server.logs()}")
-        try:
-            if httpx.get(server.url + "/health", timeout=1).status_code == 200:
-                return server
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    server.stop()
-    raise AssertionError(f"server not healthy after {startup_timeout} s:\n{server.logs()}")
+    flags = ("--model", str(model_dir), "--served-model-name", MODEL_NAME,
+             "--enable-debug-endpoints", *flags, *(("--api-key", api_key) if api_key else ()))
+    process = ServerProcess(list(flags), log_dir / f"server-{next(_SERVER_NUMBERS)}.log")
+    try:
+        process.start(startup_timeout)
+    except ServerStartError as err:
+        raise AssertionError(str(err)) from None
+    return LiveServer(process, api_key)
 
 
 @pytest.fixture(scope="session")

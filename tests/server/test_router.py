@@ -17,7 +17,8 @@ import httpx
 import openai
 import pytest
 
-from tests.server.conftest import MODEL_NAME, free_port, start_server
+from kvserve.server.process import free_port
+from tests.server.conftest import MODEL_NAME, start_server
 
 pytest.importorskip("sglang_router", reason="sglang-router==0.3.2 is not installed "
                     "(pip install sglang-router==0.3.2 setproctitle)")
