@@ -234,7 +234,8 @@ class EngineCore:
                 chunked_prefill_size=args.chunked_prefill_size,
                 disable_radix_cache=args.disable_radix_cache,
                 schedule_policy=args.schedule_policy,
-                eos_token_ids=config.eos_token_ids, strict_checks=args.strict_checks,
+                eos_token_ids=config.eos_token_ids, vocab_size=config.vocab_size,
+                strict_checks=args.strict_checks,
             ),
             pools, self.runner,
         )
@@ -253,9 +254,6 @@ class EngineCore:
             if bound is not None and len(self.scheduler.waiting) >= bound:
                 self.queue_full += 1
                 raise QueueFull(f"the waiting queue is full ({bound} requests); retry later")
-            vocab = self.runner.config.vocab_size
-            if any(isinstance(t, int) and t >= vocab for t in request.input_ids):
-                raise RequestRejected(f"token ids must be below the vocabulary size {vocab}")
             self.scheduler.add_request(request.input_ids, request.sampling, rid=request.rid)
         except RequestRejected as err:
             return Rejected(request.rid, str(err), isinstance(err, QueueFull))

@@ -102,6 +102,7 @@ class SchedulerConfig:
     disable_radix_cache: bool = False
     schedule_conservativeness: float = 1.0
     eos_token_ids: tuple[int, ...] = ()
+    vocab_size: int | None = None  # token ids must be below it (None: any int32)
     speculative: SpecConfig | None = None
     strict_checks: bool = False
     raise_on_violation: bool = False
@@ -237,9 +238,12 @@ class Scheduler:
         if len(prompt) > self.pools.allocator.size:
             raise RequestRejected(f"prompt of {len(prompt)} tokens exceeds the KV pool of "
                                   f"{self.pools.allocator.size} tokens")
-        if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t <= _INT32_MAX
+        vocab = self.config.vocab_size
+        limit = _INT32_MAX if vocab is None else vocab - 1
+        if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t <= limit
                for t in prompt):
-            raise RequestRejected("token ids must be integers in [0, 2**31 - 1]")
+            bound = "2**31 - 1" if vocab is None else f"{limit} (the vocabulary size is {vocab})"
+            raise RequestRejected(f"token ids must be integers in [0, {bound}]")
         req = Req(rid, prompt, sampling, extra_key)
         req.max_output_len = min(sampling.max_new_tokens, self.config.context_len - len(prompt))
         # decode's fast path (no finish possible) applies below this output length
