@@ -276,7 +276,7 @@ class EngineCore:
 
     def rpc(self, what: str) -> Any:
         """Synchronous queries: "stats", "flush_cache" (True when idle and flushed),
-        "info", "check" (the checker report as a dict, now)."""
+        "info". ("check" is answered by the loop once idle: see ``handle``.)"""
         if what == "stats":
             return self.stats()
         if what == "flush_cache":
@@ -292,8 +292,6 @@ class EngineCore:
                     "max_total_num_tokens": alloc.size, "page_size": alloc.page_size,
                     "max_running_requests": self.scheduler.config.max_running_requests,
                     "max_queued_requests": self.max_queued_requests}
-        if what == "check":
-            return self.check()
         raise ValueError(f"unknown engine query {what!r}")
 
     def check(self) -> dict[str, Any]:
