@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kvserve.forward import ForwardBatch
 from kvserve.mem.kv_buffer import MHATokenToKVPool
-from kvserve.sched.batch import ForwardBatch
 
 
 class TorchPagedAttention:

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from kvserve.sched.batch import ForwardBatch, ForwardMode
+from kvserve.forward import ForwardBatch, ForwardMode
 
 logger = logging.getLogger(__name__)
 

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from kvserve.forward import ForwardBatch, ModelOutput
 from kvserve.mem.allocator import TokenToKVPoolAllocator
 from kvserve.mem.kv_buffer import MHATokenToKVPool
 from kvserve.mem.pools import MemoryPools
@@ -17,7 +18,6 @@ from kvserve.model.config import ModelConfig
 from kvserve.model.layers import CausalLM
 from kvserve.model.loader import load_model
 from kvserve.model.sampler import sample
-from kvserve.sched.batch import ForwardBatch, ModelOutput
 
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from kvserve.sched.batch import SamplingBatch
+from kvserve.forward import SamplingBatch
 
 _MASK64 = (1 << 64) - 1
 

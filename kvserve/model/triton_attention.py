@@ -14,8 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kvserve.forward import ForwardBatch
 from kvserve.mem.kv_buffer import MHATokenToKVPool
-from kvserve.sched.batch import ForwardBatch
 
 
 @triton.jit

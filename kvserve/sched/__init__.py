@@ -1,6 +1,6 @@
 """Scheduling: requests, batches, admission, the scheduler and the invariant checker."""
 
-from kvserve.sched.batch import ForwardBatch, ForwardMode, ModelOutput, ScheduleBatch
+from kvserve.sched.batch import ScheduleBatch
 from kvserve.sched.invariants import CheckReport, InvariantChecker, InvariantViolation
 from kvserve.sched.policy import NewTokenRatio, PrefillAdder
 from kvserve.sched.req import FinishKind, FinishReason, Req, RequestRejected, SamplingParams
@@ -12,11 +12,8 @@ __all__ = [
     "CheckReport",
     "FinishKind",
     "FinishReason",
-    "ForwardBatch",
-    "ForwardMode",
     "InvariantChecker",
     "InvariantViolation",
-    "ModelOutput",
     "NewTokenRatio",
     "PrefillAdder",
     "Req",

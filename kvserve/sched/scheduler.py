@@ -28,6 +28,13 @@ import torch
 from kvserve.cache.base import BasePrefixCache
 from kvserve.cache.chunk import ChunkCache
 from kvserve.cache.radix import RadixCache
+from kvserve.forward import (
+    ForwardBatch,
+    ForwardMode,
+    ModelOutput,
+    ModelRunnerLike,
+    SamplingBatch,
+)
 from kvserve.kv import (
     DecodeAlloc,
     alloc_for_decode,
@@ -41,14 +48,7 @@ from kvserve.kv import (
 )
 from kvserve.mem.pages import ceil_page, int_tensor, num_pages
 from kvserve.mem.pools import MemoryPools
-from kvserve.sched.batch import (
-    ForwardBatch,
-    ForwardMode,
-    ModelOutput,
-    ModelRunnerLike,
-    SamplingBatch,
-    ScheduleBatch,
-)
+from kvserve.sched.batch import ScheduleBatch
 from kvserve.sched.invariants import CheckReport, InvariantChecker, InvariantViolation
 from kvserve.sched.policy import AddResult, NewTokenRatio, PrefillAdder
 from kvserve.sched.req import (

@@ -17,12 +17,12 @@ from dataclasses import dataclass
 import torch
 
 from kvserve.cache.base import BasePrefixCache
+from kvserve.forward import ForwardBatch, ModelOutput
 from kvserve.mem.allocator import TokenToKVPoolAllocator
 from kvserve.mem.kv_buffer import MHATokenToKVPool
 from kvserve.mem.pages import num_pages, slot_ids
 from kvserve.mem.pools import MemoryPools
 from kvserve.mem.req_to_token import ReqToTokenPool
-from kvserve.sched.batch import ForwardBatch, ModelOutput
 from kvserve.sched.invariants import CheckReport
 from kvserve.sched.req import FinishReason, Req, SamplingParams
 from kvserve.sched.scheduler import (

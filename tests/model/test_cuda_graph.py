@@ -5,9 +5,9 @@ import dataclasses
 
 import torch
 
+from kvserve.forward import ForwardBatch, ForwardMode
 from kvserve.model.cuda_graph import DecodeGraphRunner
 from kvserve.model.runner import ModelRunner
-from kvserve.sched.batch import ForwardBatch, ForwardMode
 from kvserve.sched.req import SamplingParams
 from kvserve.sched.scheduler import Scheduler, SchedulerConfig
 

@@ -1,8 +1,8 @@
 import pytest
 import torch
 
+from kvserve.forward import SamplingBatch
 from kvserve.model.sampler import hash_uniform, sample
-from kvserve.sched.batch import SamplingBatch
 
 
 def params(n, temperature=1.0, top_k=-1, top_p=1.0, min_p=0.0, seed=-1):

@@ -10,11 +10,11 @@ import torch
 
 pytest.importorskip("triton")  # CI installs it (tests extra); GPU machines bring their own
 
+from kvserve.forward import ForwardBatch, ForwardMode
 from kvserve.mem.kv_buffer import MHATokenToKVPool
 from kvserve.model.attention import TorchPagedAttention
 from kvserve.model.runner import ModelRunner
 from kvserve.model.triton_attention import TritonPagedAttention
-from kvserve.sched.batch import ForwardBatch, ForwardMode
 from kvserve.sched.req import SamplingParams
 from kvserve.sched.scheduler import Scheduler, SchedulerConfig
 

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
+from kvserve.forward import ForwardMode
 from kvserve.sched import ReqState
-from kvserve.sched.batch import ForwardMode
 from kvserve.sched.policy import NewTokenRatio
 from kvserve.sched.req import FinishKind
 from kvserve.sched.scheduler import (
