@@ -6,6 +6,7 @@ Per pool (DESIGN section 3)::
                + uncached + held == total
     rows:      free + session + live_request_rows == size
     mamba:     free + session + live_request_slots == size
+    queues:    every live request in exactly one registered queue, in a state it allows
 
 ``uncached`` sums, over every live request, the pages it owns itself
 (``[protected_len, allocated_len)``); ``held`` is what named external holders
@@ -18,7 +19,7 @@ it and raises ``InvariantViolation`` with the per-pool report.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -38,6 +39,15 @@ class TrackedReq(Protocol):
     rid: str
     kv: ReqKV
     state: ReqState
+
+
+class TrackedQueue(Protocol):
+    """A named request queue (``kvserve.sched.queues``) as the checker sees it."""
+
+    name: str
+    states: frozenset[ReqState]
+
+    def __iter__(self) -> Iterator[TrackedReq]: ...
 
 
 @dataclass
@@ -90,8 +100,10 @@ class InvariantChecker:
         requests: Iterable[TrackedReq],
         held_pages: Mapping[str, Sequence[int]] | None = None,
         full: bool | None = None,
+        queues: Iterable[TrackedQueue] | None = None,
     ) -> CheckReport:
-        """Check everything; ``held_pages`` names external holders of pages."""
+        """Check everything; ``held_pages`` names external holders of pages. With
+        ``queues``, every request must sit in exactly one of them."""
         start = time.perf_counter()
         reqs = list(requests)
         held = dict(held_pages or {})
@@ -101,6 +113,8 @@ class InvariantChecker:
         self._check_kv_equation(reqs, held, report)
         self._check_rows(reqs, report)
         self._check_mamba(reqs, report)
+        if queues is not None:
+            _check_queues(reqs, list(queues), report)
         report.violations += self.tree_cache.verify()
         if full:
             locks = [r.kv.lock for r in reqs if r.kv.lock is not None]
@@ -249,6 +263,33 @@ class InvariantChecker:
                     f"request {req.rid}: row {kv.row} position {bad} holds slot "
                     f"{int(have[bad])}, its pages say {int(want[bad])}"
                 )
+
+
+def _check_queues(reqs: list[TrackedReq], queues: list[TrackedQueue],
+                  report: CheckReport) -> None:
+    """Each live request in exactly one queue, in a state that queue allows; no queue
+    holds a request that is not live."""
+    live = {id(r): r for r in reqs}
+    homes: dict[int, list[str]] = {id(r): [] for r in reqs}
+    sizes: dict[str, int] = {}
+    for queue in queues:
+        count = 0
+        for req in queue:
+            count += 1
+            if id(req) not in live:
+                report.violations.append(f"queue {queue.name} holds request {req.rid}, "
+                                         f"which is not live")
+                continue
+            homes[id(req)].append(queue.name)
+            if req.state not in queue.states:
+                report.violations.append(f"request {req.rid} in queue {queue.name} is in "
+                                         f"state {req.state.value}")
+        sizes[queue.name] = count
+    report.pools["queues"] = sizes
+    for key, names in homes.items():
+        if len(names) != 1:
+            where = "no queue" if not names else "queues " + ", ".join(names)
+            report.violations.append(f"request {live[key].rid} is in {where}")
 
 
 class _SlotPool(Protocol):

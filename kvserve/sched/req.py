@@ -112,6 +112,7 @@ class Req:
     to_finish: FinishReason | None = None  # abort decided, applied when results are processed
     cached_tokens: int = 0  # prefix tokens found in the cache at first admission
     admissions: int = 0
+    arrival: int = 0  # order of add_request; requests re-queued together keep it
     # scheduling scratch: the last match (no lock) and this step's extend length
     match_len: int = 0
     match_node: Any = None

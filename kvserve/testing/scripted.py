@@ -277,8 +277,7 @@ class ScriptedEngine:
         self.pools.allocator.free(self.scheduler.held_pages.pop("exhausted", []))
 
     def check(self) -> CheckReport:
-        sched = self.scheduler
-        return sched.checker.check(sched.reqs.values(), sched.held_pages, full=True)
+        return self.scheduler.check()
 
     def assert_idle_and_full(self) -> None:
         """No live request, nothing queued, every pool back at its total."""

@@ -114,3 +114,57 @@ def test_run_until_idle_returns_a_pending_abort_output():
     e.abort(h.rid)
     outputs = e.run_until_idle()
     assert [(o.rid, o.finished_reason.kind) for o in outputs] == [(h.rid, FinishKind.ABORT)]
+
+
+def test_requests_whose_allocations_all_miss_go_back_in_arrival_order():
+    e = ScriptedEngine(page_size=1, num_tokens=4096, context_len=512)
+    waiting_before = e.add(list(range(900, 910)), max_new_tokens=2)
+    handles = [e.add(list(range(100 * i, 100 * i + 10)), max_new_tokens=2) for i in range(1, 5)]
+    e.scheduler.on_admitted = lambda reqs: e.exhaust_pool(10**9)  # every allocation misses
+    e.step()
+    e.scheduler.on_admitted = None
+    assert all(h.state is ReqState.RETRACTED for h in [waiting_before, *handles])
+    assert [r.rid for r in e.scheduler.waiting] == [waiting_before.rid] + [h.rid for h in handles]
+    e.restore_pool()
+    e.run_until_idle()
+    e.assert_idle_and_full()
+
+
+def test_several_decode_retractions_in_one_step_requeue_in_arrival_order():
+    # Prompts P[:80], P[:64], ..., P[:16] share pages in the tree; each fills its last page,
+    # so each needs a new page for its next token. With no free page, the victims (longest
+    # prompt first: a, b, c) free one unshared page each until three pages are free.
+    e = ScriptedEngine(page_size=16, num_tokens=4096, context_len=512)
+    prompt = list(range(1000, 1080))
+    a, b, c, d, f = (e.add(prompt[:n], max_new_tokens=40) for n in (80, 64, 48, 32, 16))
+    e.step()
+    assert all(h.state is ReqState.RUNNING for h in (a, b, c, d, f))
+    e.exhaust_pool(10**9)
+    e.step()
+    assert e.scheduler.stats.retractions == 3
+    assert [r.rid for r in e.scheduler.waiting] == [a.rid, b.rid, c.rid]
+    assert d.state is f.state is ReqState.RUNNING
+    e.restore_pool()
+    e.run_until_idle()
+    assert a.output_ids == e.reference(prompt, 40)
+    e.assert_idle_and_full()
+
+
+def test_checker_finds_a_live_request_that_is_in_no_queue():
+    e = ScriptedEngine(page_size=1, num_tokens=256, strict_checks=False)
+    h = e.add([1, 2, 3], max_new_tokens=4)
+    e.step()
+    e.scheduler.running.remove(h.req)  # lost: it holds a row and KV but nothing schedules it
+    report = e.scheduler.check(full=False)
+    assert f"request {h.rid} is in no queue" in report.violations
+    assert report.pools["queues"] == {"waiting": 0, "chunked": 0, "running": 0}
+
+
+def test_checker_finds_a_request_queued_twice_or_in_a_wrong_state():
+    e = ScriptedEngine(page_size=1, num_tokens=256, strict_checks=False)
+    h = e.add([1, 2, 3], max_new_tokens=4)
+    e.step()
+    e.scheduler.waiting.append(h.req)  # running and waiting at once, RUNNING in waiting
+    violations = e.scheduler.check(full=False).violations
+    assert f"request {h.rid} in queue waiting is in state running" in violations
+    assert f"request {h.rid} is in queues waiting, running" in violations
