@@ -17,11 +17,14 @@ from __future__ import annotations
 import bisect
 import logging
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from kvserve.forward import ForwardBatch, ForwardMode
+
+if TYPE_CHECKING:
+    from kvserve.model.runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +40,7 @@ class DecodeGraphRunner:
         use_graphs: capture and replay (default: on CUDA with the Triton backend).
     """
 
-    def __init__(self, runner: Any, batch_sizes: Sequence[int] = DEFAULT_BATCH_SIZES,
+    def __init__(self, runner: ModelRunner, batch_sizes: Sequence[int] = DEFAULT_BATCH_SIZES,
                  use_graphs: bool | None = None) -> None:
         self.runner = runner
         self.batch_sizes = sorted(batch_sizes)
