@@ -16,9 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvserve.cache.radix import RadixCache
-from kvserve.mem.allocator import TokenToKVPoolAllocator
-from kvserve.mem.pools import MemoryPools
-from kvserve.mem.req_to_token import ReqToTokenPool
+from kvserve.mem.pools import build_pools
 
 
 @dataclass
@@ -78,11 +76,8 @@ def _reset_peak_rss() -> None:
 
 def build_cache(cap_tokens: int, page_size: int) -> RadixCache:
     """A RadixCache over a fresh allocator of ``cap_tokens`` (the W1 pool)."""
-    pools = MemoryPools(
-        req_to_token_pool=ReqToTokenPool(size=1, context_len=page_size, page_size=page_size),
-        allocator=TokenToKVPoolAllocator(cap_tokens, page_size),
-    )
-    return RadixCache(pools)
+    return RadixCache(build_pools(num_rows=1, context_len=page_size, pool_tokens=cap_tokens,
+                                  page_size=page_size))
 
 
 def replay(prompts: list[list[int]], page_size: int, cap_tokens: int) -> PrefixCacheResult:

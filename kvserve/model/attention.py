@@ -13,26 +13,26 @@ import torch.nn.functional as F
 
 from kvserve.forward import ForwardBatch
 from kvserve.mem.kv_buffer import MHATokenToKVPool
+from kvserve.model.attention_backend import AttentionMetadata, RequestSpan
 
 
 class TorchPagedAttention:
-    """Extend (prefill with a cached prefix, causal among the new tokens) and decode."""
+    """``AttentionBackend``: one ``scaled_dot_product_attention`` per request, extend
+    (prefill with a cached prefix, causal among the new tokens) and decode alike."""
 
     def __init__(self, kv_pool: MHATokenToKVPool, req_to_token: torch.Tensor) -> None:
         self.kv_pool = kv_pool
         self.req_to_token = req_to_token
 
-    def prepare(self, batch: ForwardBatch) -> _BatchView:
-        return _BatchView(batch, self.req_to_token)
+    def prepare(self, batch: ForwardBatch) -> AttentionMetadata:
+        return AttentionMetadata.from_batch(batch, self.req_to_token.device, self._spans(batch))
 
-    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                view: _BatchView, scaling: float) -> torch.Tensor:
-        """``q``: [tokens, heads, head_dim]; ``k``, ``v``: [tokens, kv_heads, head_dim] of
-        the new tokens. Returns [tokens, heads, head_dim]."""
-        self.kv_pool.set_kv_buffer(layer, view.out_cache_loc, k, v)
-        k_buf, v_buf = self.kv_pool.get_kv_buffer(layer)
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
+                metadata: AttentionMetadata, scaling: float) -> torch.Tensor:
+        self.kv_pool.set_kv_buffer(layer_id, metadata.out_cache_loc, k, v)
+        k_buf, v_buf = self.kv_pool.get_kv_buffer(layer_id)
         out = torch.empty_like(q)
-        for (start, end, slots), mask in zip(view.spans, view.masks, strict=True):
+        for start, end, slots, mask in metadata.spans:
             keys = k_buf[slots].transpose(0, 1)  # [kv_heads, seq, dim]
             values = v_buf[slots].transpose(0, 1)
             query = q[start:end].transpose(0, 1)  # [heads, new, dim]
@@ -43,25 +43,18 @@ class TorchPagedAttention:
             out[start:end] = attn.transpose(0, 1).to(out.dtype)
         return out
 
-
-class _BatchView:
-    """Per-request spans of a ForwardBatch: token range, context slots, causal mask."""
-
-    def __init__(self, batch: ForwardBatch, req_to_token: torch.Tensor) -> None:
-        self.out_cache_loc = batch.out_cache_loc.long()
+    def _spans(self, batch: ForwardBatch) -> tuple[RequestSpan, ...]:
         rows = batch.req_pool_indices.tolist()
         seq_lens = batch.seq_lens.tolist()
         prefix_lens = batch.prefix_lens.tolist()
-        new_lens = (batch.seq_lens - batch.prefix_lens).tolist()
-        self.spans: list[tuple[int, int, torch.Tensor]] = []
-        self.masks: list[torch.Tensor] = []
+        spans = []
         start = 0
-        for row, seq_len, prefix_len, new in zip(rows, seq_lens, prefix_lens, new_lens,
-                                                  strict=True):
-            slots = req_to_token[row, :seq_len].long()
-            self.spans.append((start, start + new, slots))
+        for row, seq_len, prefix_len in zip(rows, seq_lens, prefix_lens, strict=True):
+            slots = self.req_to_token[row, :seq_len].long()
             # query j (position prefix_len + j) sees keys 0 .. prefix_len + j
             q_pos = torch.arange(prefix_len, seq_len, device=slots.device)[:, None]
             k_pos = torch.arange(seq_len, device=slots.device)[None, :]
-            self.masks.append(k_pos <= q_pos)
+            new = seq_len - prefix_len
+            spans.append(RequestSpan(start, start + new, slots, k_pos <= q_pos))
             start += new
+        return tuple(spans)

@@ -5,11 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+import torch
 
+from kvserve.mem.pools import KVLayout
+from kvserve.model.errors import ModelLoadError
+from kvserve.model.registry import resolve_architecture
 
-class ModelLoadError(ValueError):
-    """A checkpoint that kvserve cannot load, with the reason."""
+__all__ = ["ModelConfig", "ModelLoadError"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,21 +28,15 @@ class ModelConfig:
     vocab_size: int
     rms_norm_eps: float
     tie_word_embeddings: bool
-    qkv_bias: bool  # Qwen2: always; Llama/Qwen3: config.attention_bias
-    qk_norm: bool  # Qwen3: RMSNorm over each head of q and k
+    attention_bias: bool  # config.attention_bias (a family may add biases of its own)
     max_position_embeddings: int
     eos_token_ids: tuple[int, ...]
     hf_config: Any  # the transformers config (rope parameters are computed from it)
 
     @classmethod
     def from_hf(cls, hf: Any) -> ModelConfig:
-        archs = list(getattr(hf, "architectures", None) or [])
-        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
-        if arch is None:
-            raise ModelLoadError(
-                f"unsupported architecture {archs or '(none given)'}; kvserve supports "
-                f"{', '.join(SUPPORTED_ARCHITECTURES)}"
-            )
+        """Raises ModelLoadError when no architecture of ``hf`` is registered."""
+        arch = resolve_architecture(list(getattr(hf, "architectures", None) or []))
         heads = hf.num_attention_heads
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // heads
         eos = hf.eos_token_id
@@ -57,9 +53,12 @@ class ModelConfig:
             vocab_size=hf.vocab_size,
             rms_norm_eps=hf.rms_norm_eps,
             tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
-            qkv_bias=arch == "Qwen2ForCausalLM" or bool(getattr(hf, "attention_bias", False)),
-            qk_norm=arch == "Qwen3ForCausalLM",
+            attention_bias=bool(getattr(hf, "attention_bias", False)),
             max_position_embeddings=hf.max_position_embeddings,
             eos_token_ids=eos_ids,
             hf_config=hf,
         )
+
+    def kv_layout(self, dtype: torch.dtype) -> KVLayout:
+        """Shape of this model's KV buffers when they hold ``dtype``."""
+        return KVLayout(self.num_layers, self.num_kv_heads, self.head_dim, dtype)

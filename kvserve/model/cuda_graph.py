@@ -17,29 +17,18 @@ from __future__ import annotations
 import bisect
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from kvserve.forward import ForwardBatch, ForwardMode
 
+if TYPE_CHECKING:
+    from kvserve.model.runner import ModelRunner
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256)
-
-
-@dataclass
-class _StaticDecodeView:
-    """Attention inputs of a padded decode batch, all on the device, no host reads."""
-
-    out_cache_loc: torch.Tensor
-    rows: torch.Tensor
-    seq_lens: torch.Tensor
-    prefix_lens: torch.Tensor
-    start_loc: torch.Tensor
-    max_new: int
-    batch: int
 
 
 class DecodeGraphRunner:
@@ -51,7 +40,7 @@ class DecodeGraphRunner:
         use_graphs: capture and replay (default: on CUDA with the Triton backend).
     """
 
-    def __init__(self, runner: Any, batch_sizes: Sequence[int] = DEFAULT_BATCH_SIZES,
+    def __init__(self, runner: ModelRunner, batch_sizes: Sequence[int] = DEFAULT_BATCH_SIZES,
                  use_graphs: bool | None = None) -> None:
         self.runner = runner
         self.batch_sizes = sorted(batch_sizes)
@@ -67,7 +56,6 @@ class DecodeGraphRunner:
 
         self.input_ids, self.positions, self.out_cache_loc = zeros(), zeros(), zeros()
         self.rows, self.seq_lens = zeros(), zeros()
-        self.start_loc = torch.arange(n, dtype=torch.int32, device=device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
     def can_run(self, batch: ForwardBatch) -> bool:
@@ -103,14 +91,9 @@ class DecodeGraphRunner:
             static[bs:size].zero_()
         self.seq_lens[bs:size].fill_(1)
 
-    def _view(self, size: int) -> Any:
-        if self.runner.attention_backend == "triton":
-            seq_lens = self.seq_lens[:size]
-            return _StaticDecodeView(self.out_cache_loc[:size].long(), self.rows[:size],
-                                     seq_lens, seq_lens - 1, self.start_loc[:size], 1, size)
-        return self.runner.attention.prepare(self._as_batch(size))
-
     def _as_batch(self, size: int) -> ForwardBatch:
+        """The padded static buffers as a decode batch (``prepare`` reads no device
+        value of a decode batch, so the graph records the metadata's kernels too)."""
         ones = torch.ones(size, dtype=torch.int32, device=self.seq_lens.device)
         return ForwardBatch(0, ForwardMode.DECODE, self.input_ids[:size], self.positions[:size],
                             self.out_cache_loc[:size], self.rows[:size], self.seq_lens[:size],
@@ -119,8 +102,9 @@ class DecodeGraphRunner:
     def _run_static(self, size: int) -> torch.Tensor:
         runner = self.runner
         with torch.inference_mode():
+            metadata = runner.attention.prepare(self._as_batch(size))
             return runner.model(self.input_ids[:size], self.positions[:size], runner.attention,
-                                self._view(size))
+                                metadata)
 
     def _replay(self, size: int) -> torch.Tensor:
         if size not in self.graphs:

@@ -110,12 +110,13 @@ def random_state_dict(shape_name: str, seed: int = 0,
                       device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
     """Random weights of a shape, named as in the checkpoint; norms start at one."""
     from kvserve.model.config import ModelConfig
-    from kvserve.model.layers import CausalLM
+    from kvserve.model.registry import get_model_class
 
     shape = SHAPES[shape_name]
     config = ModelConfig.from_hf(hf_config(shape_name))
     with torch.device("meta"):
-        names = {k: v.shape for k, v in CausalLM(config).state_dict().items()}
+        model = get_model_class(config.architecture)(config)
+        names = {k: v.shape for k, v in model.state_dict().items()}
     gen = torch.Generator(device=device).manual_seed(seed)
     state = {}
     for name, size in names.items():

@@ -1,5 +1,11 @@
-"""Layers shared by every architecture: RMSNorm, rotary embedding, gated SiLU MLP,
-attention block and decoder layer (parameter names as in Hugging Face checkpoints)."""
+"""Building blocks shared by the model families: RMSNorm, rotary embedding, gated SiLU
+MLP, the paged self-attention block, the decoder layer and the ``CausalLM`` base class
+(parameter names as in Hugging Face checkpoints).
+
+A family module (``llama.py``, ``qwen2.py``, ...) subclasses ``CausalLM`` and says in
+``make_layer`` which layer sits at each depth; a hybrid family returns a second kind
+of layer there without touching the others.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvserve.model.attention import TorchPagedAttention, _BatchView
+from kvserve.model.attention_backend import AttentionBackend, AttentionMetadata
 from kvserve.model.config import ModelConfig
 
 
@@ -76,80 +82,94 @@ class GatedMLP(nn.Module):
 
 
 class SelfAttention(nn.Module):
-    def __init__(self, config: ModelConfig, layer: int) -> None:
+    """q/k/v projections, rotary, paged attention through the backend, o projection.
+
+    ``qkv_bias``: biases on q/k/v (Qwen2 always; otherwise ``config.attention_bias``).
+    Subclasses change ``qk_norm`` (Qwen3 normalizes each head of q and k).
+    """
+
+    def __init__(self, config: ModelConfig, layer_id: int, qkv_bias: bool) -> None:
         super().__init__()
         c = config
-        self.layer = layer
+        self.layer_id = layer_id
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
         self.scaling = c.head_dim**-0.5
-        self.q_proj = nn.Linear(c.hidden_size, c.num_heads * c.head_dim, bias=c.qkv_bias)
-        self.k_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=c.qkv_bias)
-        self.v_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=c.qkv_bias)
+        self.q_proj = nn.Linear(c.hidden_size, c.num_heads * c.head_dim, bias=qkv_bias)
+        self.k_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=qkv_bias)
+        self.v_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=qkv_bias)
         self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=False)
-        if c.qk_norm:
-            self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
-            self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
-        self.qk_norm = c.qk_norm
+
+    def qk_norm(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Applied to q, k ([tokens, heads, head_dim]) before rotary; none here."""
+        return q, k
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, ...],
-                attn: TorchPagedAttention, view: _BatchView) -> torch.Tensor:
+                attn: AttentionBackend, metadata: AttentionMetadata) -> torch.Tensor:
         tokens = x.shape[0]
         q = self.q_proj(x).view(tokens, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.qk_norm(q, k)
         cos, sin = rope
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = attn.forward(self.layer, q, k, v, view, self.scaling)
+        out = attn.forward(q, k, v, self.layer_id, metadata, self.scaling)
         return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer: int) -> None:
+    """Pre-norm attention block and gated MLP, each with a residual connection."""
+
+    def __init__(self, config: ModelConfig, self_attn: SelfAttention) -> None:
         super().__init__()
-        self.self_attn = SelfAttention(config, layer)
+        self.self_attn = self_attn
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, ...],
-                attn: TorchPagedAttention, view: _BatchView) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope, attn, view)
+                attn: AttentionBackend, metadata: AttentionMetadata) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rope, attn, metadata)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class DecoderModel(nn.Module):
     """``model.*`` of a Hugging Face causal LM checkpoint."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, layers: list[nn.Module]) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config)
 
 
 class CausalLM(nn.Module):
-    """Llama / Qwen2 / Qwen3 (the differences are flags of ``ModelConfig``).
+    """Base class of every family: embedding, ``make_layer`` per depth, norm, LM head.
 
-    ``forward`` takes flat input ids and positions of a ``ForwardBatch`` and returns
-    the final hidden states ``[tokens, hidden]``; ``logits`` applies the LM head.
+    ``forward`` takes the flat input ids and positions of a ``ForwardBatch`` (int32
+    [tokens]) and returns the final hidden states ``[tokens, hidden]``; each layer is
+    called as ``layer(x, rope, attn, metadata)``. ``logits`` applies the LM head
+    (float32 [tokens, vocab]).
     """
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
-        self.model = DecoderModel(config)
+        self.model = DecoderModel(config, [self.make_layer(config, i)
+                                           for i in range(config.num_layers)])
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 
+    def make_layer(self, config: ModelConfig, layer_id: int) -> nn.Module:
+        """The decoder layer at depth ``layer_id`` (families override)."""
+        raise NotImplementedError
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                attn: TorchPagedAttention, view: _BatchView) -> torch.Tensor:
+                attn: AttentionBackend, metadata: AttentionMetadata) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids.long())
         rope = self.model.rotary_emb(positions, x.dtype)
         for layer in self.model.layers:
-            x = layer(x, rope, attn, view)
+            x = layer(x, rope, attn, metadata)
         return self.model.norm(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -11,6 +11,7 @@ import torch
 
 from kvserve.model.config import ModelConfig, ModelLoadError
 from kvserve.model.layers import CausalLM, RotaryEmbedding
+from kvserve.model.registry import get_model_class
 
 
 def load_config(model_dir: str | Path) -> ModelConfig:
@@ -31,9 +32,10 @@ def load_config(model_dir: str | Path) -> ModelConfig:
 
 def build_model(config: ModelConfig, device: str | torch.device = "cpu",
                 dtype: torch.dtype = torch.float32) -> CausalLM:
-    """A model with uninitialised weights on ``device`` (rotary tables computed)."""
+    """The registered class of ``config.architecture`` with uninitialised weights on
+    ``device`` (rotary tables computed). Raises ModelLoadError for an unknown one."""
     with torch.device("meta"):
-        model = CausalLM(config)
+        model = get_model_class(config.architecture)(config)
     model = model.to_empty(device=device).to(dtype)
     model.model.rotary_emb = RotaryEmbedding(config).to(device)  # float32, not meta
     return model.eval()

@@ -2,54 +2,30 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from kvserve.forward import ForwardBatch, ModelOutput
-from kvserve.mem.allocator import TokenToKVPoolAllocator
-from kvserve.mem.kv_buffer import MHATokenToKVPool
-from kvserve.mem.pools import MemoryPools
-from kvserve.mem.req_to_token import ReqToTokenPool
-from kvserve.model.attention import TorchPagedAttention
+from kvserve.mem.pools import MemoryPools, build_pools
+from kvserve.model.attention_backend import (
+    AttentionBackend,
+    make_attention_backend,
+    resolve_backend,
+)
 from kvserve.model.config import ModelConfig
 from kvserve.model.layers import CausalLM
 from kvserve.model.loader import load_model
 from kvserve.model.sampler import sample
 
-ATTENTION_BACKENDS = ("auto", "torch", "triton")
-
-
-def resolve_backend(name: str, device: torch.device) -> str:
-    """"auto" picks Triton on CUDA when it imports, else the torch reference backend.
-    "triton" on CPU needs ``TRITON_INTERPRET=1`` (slow; for tests). Raises ValueError."""
-    if name not in ATTENTION_BACKENDS:
-        raise ValueError(f"attention backend must be one of {ATTENTION_BACKENDS}, got {name!r}")
-    if name == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError("the triton attention backend needs a CUDA device "
-                         "(or TRITON_INTERPRET=1 on CPU, for tests); use --attention-backend torch")
-    if name != "auto":
-        return name
-    if device.type == "cuda":
-        try:
-            import triton  # noqa: F401
-        except ImportError:
-            return "torch"
-        return "triton"
-    return "torch"
-
 
 def make_pools(config: ModelConfig, max_total_tokens: int, page_size: int, max_requests: int,
                context_len: int, device: str | torch.device, dtype: torch.dtype) -> MemoryPools:
-    """Rows, allocator and KV buffers sized for ``config`` (``max_total_tokens`` slots)."""
-    return MemoryPools(
-        req_to_token_pool=ReqToTokenPool(max_requests, context_len, page_size, device=device),
-        allocator=TokenToKVPoolAllocator(max_total_tokens, page_size),
-        kv_buffer=MHATokenToKVPool(max_total_tokens, page_size, config.num_layers,
-                                   config.num_kv_heads, config.head_dim, dtype, device),
-    )
+    """``build_pools`` with KV buffers shaped for ``config`` (``max_total_tokens`` slots).
+    Kept for ``engine.py`` and ``benchmarks/gpu_bench.py`` until they call ``build_pools``."""
+    return build_pools(max_requests, context_len, max_total_tokens, page_size,
+                       config.kv_layout(dtype), device=device)
 
 
 class ModelRunner:
@@ -66,20 +42,14 @@ class ModelRunner:
                  seed: int = 0, attention_backend: str = "auto",
                  cuda_graph: bool | None = None) -> None:
         if pools.kv_buffer is None:
-            raise ValueError("ModelRunner needs pools with a KV buffer (see make_pools)")
+            raise ValueError("ModelRunner needs pools with a KV buffer (see build_pools)")
         self.model = model
         self.config = config
         self.pools = pools
         self.device = pools.kv_buffer.k_buffers[0].device
         self.attention_backend = resolve_backend(attention_backend, self.device)
-        table = pools.req_to_token_pool.req_to_token
-        if self.attention_backend == "triton":
-            from kvserve.model.triton_attention import TritonPagedAttention
-
-            self.attention: TorchPagedAttention = TritonPagedAttention(  # type: ignore[assignment]
-                pools.kv_buffer, table)
-        else:
-            self.attention = TorchPagedAttention(pools.kv_buffer, table)
+        self.attention: AttentionBackend = make_attention_backend(
+            self.attention_backend, pools.kv_buffer, pools.req_to_token_pool.req_to_token)
         from kvserve.model.cuda_graph import DecodeGraphRunner
 
         # decode batches go through padded static buffers (graphs on CUDA + Triton)
@@ -95,8 +65,8 @@ class ModelRunner:
                         dtype: torch.dtype = torch.float32,
                         attention_backend: str = "auto") -> ModelRunner:
         model, config = load_model(model_dir, device, dtype)
-        pools = make_pools(config, max_total_tokens, page_size, max_requests, context_len,
-                           device, dtype)
+        pools = build_pools(max_requests, context_len, max_total_tokens, page_size,
+                            config.kv_layout(dtype), device=device)
         return cls(model, config, pools, attention_backend=attention_backend)
 
     @torch.inference_mode()
@@ -106,9 +76,9 @@ class ModelRunner:
             raise NotImplementedError("the model runner has no draft model for speculation")
         if self.graph_runner.can_run(batch):
             return self.graph_runner.hidden_states(batch)
-        view = self.attention.prepare(batch)
+        metadata = self.attention.prepare(batch)
         return self.model(batch.input_ids.to(self.device), batch.positions.to(self.device),
-                          self.attention, view)
+                          self.attention, metadata)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> ModelOutput:

@@ -16,6 +16,7 @@ import triton.language as tl
 
 from kvserve.forward import ForwardBatch
 from kvserve.mem.kv_buffer import MHATokenToKVPool
+from kvserve.model.attention_backend import AttentionMetadata
 
 
 @triton.jit
@@ -80,20 +81,8 @@ def _paged_attention_kernel(
              mask=m_mask[:, None] & d_mask[None, :])
 
 
-class _TritonView:
-    def __init__(self, batch: ForwardBatch, device: torch.device) -> None:
-        new_lens = batch.seq_lens - batch.prefix_lens
-        self.out_cache_loc = batch.out_cache_loc.to(device).long()
-        self.rows = batch.req_pool_indices.to(device)
-        self.seq_lens = batch.seq_lens.to(device)
-        self.prefix_lens = batch.prefix_lens.to(device)
-        self.start_loc = (torch.cumsum(new_lens, 0) - new_lens).to(device)
-        self.max_new = int(new_lens.max()) if new_lens.numel() else 0
-        self.batch = int(new_lens.numel())
-
-
 class TritonPagedAttention:
-    """Same interface as ``TorchPagedAttention``; block sizes fixed for now."""
+    """``AttentionBackend``: one kernel launch per layer; block sizes fixed for now."""
 
     BLOCK_M = 16
     BLOCK_N = 32
@@ -102,22 +91,23 @@ class TritonPagedAttention:
         self.kv_pool = kv_pool
         self.req_to_token = req_to_token
 
-    def prepare(self, batch: ForwardBatch) -> _TritonView:
-        return _TritonView(batch, self.req_to_token.device)
+    def prepare(self, batch: ForwardBatch) -> AttentionMetadata:
+        return AttentionMetadata.from_batch(batch, self.req_to_token.device)
 
-    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                view: _TritonView, scaling: float) -> torch.Tensor:
-        self.kv_pool.set_kv_buffer(layer, view.out_cache_loc, k, v)
-        k_buf, v_buf = self.kv_pool.get_kv_buffer(layer)
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
+                metadata: AttentionMetadata, scaling: float) -> torch.Tensor:
+        self.kv_pool.set_kv_buffer(layer_id, metadata.out_cache_loc, k, v)
+        k_buf, v_buf = self.kv_pool.get_kv_buffer(layer_id)
         q = q.to(k_buf.dtype).contiguous()
         out = torch.empty_like(q)
-        if view.batch == 0:
+        if metadata.batch_size == 0:
             return out
         _, heads, head_dim = q.shape
-        grid = (view.batch, heads, triton.cdiv(view.max_new, self.BLOCK_M))
+        grid = (metadata.batch_size, heads, triton.cdiv(metadata.max_extend_len, self.BLOCK_M))
         _paged_attention_kernel[grid](
             q, k_buf, v_buf, out, self.req_to_token,
-            view.rows, view.seq_lens, view.prefix_lens, view.start_loc,
+            metadata.req_pool_indices, metadata.seq_lens, metadata.prefix_lens,
+            metadata.extend_start_loc,
             q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1),
             out.stride(0), out.stride(1), self.req_to_token.stride(0),
             scaling, head_dim,

@@ -18,11 +18,9 @@ import torch
 
 from kvserve.cache.base import BasePrefixCache
 from kvserve.forward import ForwardBatch, ModelOutput
-from kvserve.mem.allocator import TokenToKVPoolAllocator
 from kvserve.mem.kv_buffer import MHATokenToKVPool
 from kvserve.mem.pages import num_pages, slot_ids
-from kvserve.mem.pools import MemoryPools
-from kvserve.mem.req_to_token import ReqToTokenPool
+from kvserve.mem.pools import MemoryPools, build_pools
 from kvserve.sched.invariants import CheckReport
 from kvserve.sched.req import FinishReason, Req, SamplingParams
 from kvserve.sched.scheduler import (
@@ -234,10 +232,8 @@ class ScriptedEngine:
         )
         self.config.validate()
         reserve = speculative.reserve if speculative else 0
-        self.pools = MemoryPools(
-            req_to_token_pool=ReqToTokenPool(num_rows, context_len, page_size, reserve),
-            allocator=TokenToKVPoolAllocator(num_tokens, page_size),
-        )
+        self.pools = build_pools(num_rows, context_len, num_tokens, page_size,
+                                 spec_reserve=reserve)
         self.model = ScriptedModel(self.pools, eos_token_id, eos_prob, accept_counts)
         self.scheduler = Scheduler(self.config, self.pools, self.model)
         self.handles: dict[str, ReqHandle] = {}

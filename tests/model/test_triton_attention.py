@@ -50,8 +50,8 @@ def test_kernel_matches_torch_backend(page_size, heads, kv_heads, head_dim):
     v = torch.randn(tokens, kv_heads, head_dim, generator=gen)
     ref = TorchPagedAttention(pool, table)
     tri = TritonPagedAttention(pool, table)
-    expected = ref.forward(0, q, k, v, ref.prepare(batch), head_dim**-0.5)
-    got = tri.forward(0, q, k, v, tri.prepare(batch), head_dim**-0.5)
+    expected = ref.forward(q, k, v, 0, ref.prepare(batch), head_dim**-0.5)
+    got = tri.forward(q, k, v, 0, tri.prepare(batch), head_dim**-0.5)
     assert (expected - got).abs().max().item() < 1e-4
 
 
@@ -79,7 +79,7 @@ def test_engine_with_triton_backend_matches_transformers(tmp_path):
 
 
 def test_backend_names_are_checked():
-    from kvserve.model.runner import resolve_backend
+    from kvserve.model.attention_backend import resolve_backend
 
     assert resolve_backend("auto", torch.device("cpu")) == "torch"
     with pytest.raises(ValueError, match="attention backend"):
