@@ -32,10 +32,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from kvserve.mem.pools import build_pools
 from kvserve.model.config import ModelConfig
 from kvserve.model.init import hf_config, random_state_dict
 from kvserve.model.loader import build_model
-from kvserve.model.runner import ModelRunner, make_pools
+from kvserve.model.runner import ModelRunner
 from kvserve.sched.req import SamplingParams
 from kvserve.sched.scheduler import Scheduler, SchedulerConfig
 
@@ -98,8 +99,8 @@ def build_models(shape: str, device: str, dtype: torch.dtype):
 
 def engine(config: ModelConfig, model, batch: int, args, device: str, dtype: torch.dtype):
     context = args["prompt"] + args["output"] + 16
-    pools = make_pools(config, max_total_tokens=batch * context + 1024, page_size=16,
-                       max_requests=batch, context_len=context, device=device, dtype=dtype)
+    pools = build_pools(batch, context, batch * context + 1024, 16, config.kv_layout(dtype),
+                        device=device)
     runner = ModelRunner(model, config, pools)
     sched = Scheduler(SchedulerConfig(page_size=16, context_len=context,
                                       max_running_requests=batch, chunked_prefill_size=8192,
