@@ -57,13 +57,13 @@ from datetime import date
 from pathlib import Path
 from typing import Any
 
+# This checkout's kvserve, also in the --client subprocess.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from kvserve.bench.stats import percentile
+
 ROOT = Path(__file__).resolve().parents[1]
 MODEL_NAME = "wire"  # --served-model-name of the benchmark server
-
-
-def _percentile(values: Sequence[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else 0.0
 
 
 def process_tree_cpu_s(root_pid: int) -> dict[str, float]:
@@ -98,9 +98,9 @@ def summarize(name: str, wall_s: float, records: list[dict[str, Any]], concurren
     return {"phase": name, "requests": len(records), "concurrency": concurrency,
             "max_tokens": max_tokens, "wall_s": wall_s,
             "completion_tokens": sum(r["tokens"] for r in records),
-            "ttft_p50_ms": statistics.median(ttft) * 1e3 if ttft else 0.0,
-            "ttft_p90_ms": _percentile(ttft, 0.9) * 1e3,
-            "e2e_p50_ms": statistics.median(r["e2e_s"] for r in records) * 1e3 if records
+            "ttft_p50_ms": percentile(ttft, 50) * 1e3 if ttft else 0.0,
+            "ttft_p90_ms": percentile(ttft, 90) * 1e3 if ttft else 0.0,
+            "e2e_p50_ms": percentile([r["e2e_s"] for r in records], 50) * 1e3 if records
             else 0.0,
             "finish_reasons": finishes}
 
@@ -183,8 +183,8 @@ def decode_step_us(engine: Any, first_step: int, last_step: int) -> dict[str, An
     steps = [(stats.sched_seconds[i] + stats.model_seconds[i]) * 1e6
              for i in range(first_step, last_step) if stats.decode_step[i]]
     return {"decode_steps": len(steps),
-            "decode_step_p50_us": statistics.median(steps) if steps else 0.0,
-            "decode_step_p90_us": _percentile(steps, 0.9)}
+            "decode_step_p50_us": percentile(steps, 50) if steps else 0.0,
+            "decode_step_p90_us": percentile(steps, 90) if steps else 0.0}
 
 
 def run_inproc(engine: Any, spec: dict[str, Any]) -> dict[str, Any]:
@@ -471,7 +471,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     if args.client:
         return client_main(args.client, args.spec)
-    sys.path.insert(0, str(ROOT))
     report = run(args)
     print_table(report)
     out = Path(args.out)

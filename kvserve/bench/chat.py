@@ -37,6 +37,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvserve.bench.stats import percentile
 from kvserve.server.process import ServerProcess, ServerStartError
 
 METRICS_PERIOD_S = 0.25
@@ -182,17 +183,6 @@ def parse_metrics(text: str, t_s: float) -> MetricsSample | None:
     if _SAMPLE_NAMES["kv_total_tokens"] not in values:
         return None
     return MetricsSample(t_s, **{f: float(values.get(n, 0.0)) for f, n in _SAMPLE_NAMES.items()})
-
-
-def percentile(values: list[float], p: float) -> float | None:
-    """Linear-interpolated percentile (``p`` in [0, 100]); None for no values."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    pos = p / 100 * (len(ordered) - 1)
-    low = int(pos)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
 
 
 # -- server ---------------------------------------------------------------------------------
@@ -394,11 +384,9 @@ def _ratio(part: float, whole: float) -> float | None:
 
 
 def _ms(values: list[float]) -> dict[str, float | None]:
-    out = {}
-    for p in (50, 90, 99):
-        v = percentile(values, p)
-        out[f"p{p}"] = None if v is None else round(v * 1000, 2)
-    return out
+    """p50/p90/p99 of ``values`` (seconds) in milliseconds; None for no values."""
+    return {f"p{p}": round(percentile(values, p) * 1000, 2) if values else None
+            for p in (50, 90, 99)}
 
 
 def summarize(outcome: RunOutcome, opts: ChatJobOptions, url: str, model: str,

@@ -29,13 +29,13 @@ gain nothing from intra-op threads on a 2-core machine and lose a lot to content
 from __future__ import annotations
 
 import random
-import statistics
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
+from kvserve.bench.stats import percentile
 from kvserve.bench.workloads import read_mooncake
 from kvserve.sched.batch import ScheduleBatch
 from kvserve.sched.invariants import InvariantViolation
@@ -119,13 +119,6 @@ def fit_to_model(requests: list[TraceRequest], vocab_size: int,
                                    [to_vocab(t, vocab_size) for t in r.prompt_ids[:keep]],
                                    r.max_new_tokens))
     return fitted, cut
-
-
-def _percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    if not ordered:
-        return float("nan")
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
 @dataclass
@@ -212,8 +205,8 @@ def replay_trace(requests: list[TraceRequest], progress: bool = True,
         hit_ratio=stats.cached_tokens / max(stats.prompt_tokens, 1),
         retractions=stats.retractions, aborts=stats.aborts, checker_runs=sched.checker.runs,
         violations=violations + sched.checker.total_violations,
-        sched_us_p50=statistics.median(sched_us), sched_us_p99=_percentile(sched_us, 0.99),
-        checker_us_p50=statistics.median(checker_us), peak_running=peak,
+        sched_us_p50=percentile(sched_us, 50), sched_us_p99=percentile(sched_us, 99),
+        checker_us_p50=percentile(checker_us, 50), peak_running=peak,
         forward_tokens=forward_tokens, model_seconds=sum(stats.model_seconds),
     )
 
@@ -278,5 +271,5 @@ def decode_steady(batch: int = 256, prompt_len: int = 512, cached_tokens: int = 
     assert len(sched.running) == batch and all(sched.stats.decode_step[start:])
     us = [s * 1e6 for s in sched.stats.sched_seconds[start:]]
     engine.scheduler.checker.check(sched.reqs.values(), full=True)
-    return SteadyResult(batch, cache.evictable_size(), statistics.median(us),
-                        _percentile(us, 0.99))
+    return SteadyResult(batch, cache.evictable_size(), percentile(us, 50),
+                        percentile(us, 99))
