@@ -7,6 +7,11 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    # What ``add_subparsers`` returns; argparse names the class privately.
+    Subcommands = argparse._SubParsersAction[argparse.ArgumentParser]
 
 
 def _integer(text: str, low: int, high: int | None = None) -> int:
@@ -44,12 +49,29 @@ def _device(text: str) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from kvserve.server.launch import add_serve_parser
+
     parser = argparse.ArgumentParser(prog="kvserve", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
+    _add_bench_parser(commands)
+    _add_init_model_parser(commands)
+    _add_generate_parser(commands)
+    add_serve_parser(commands, _positive, _non_negative)
+    return parser
+
+
+def _add_bench_parser(commands: Subcommands) -> None:
     bench = commands.add_parser("bench", help="benchmarks").add_subparsers(
         dest="bench", required=True
     )
-    w1 = bench.add_parser(
+    _add_prefix_cache_parser(bench)
+    _add_replay_parser(bench)
+    _add_decode_steady_parser(bench)
+    _add_chat_parser(bench)
+
+
+def _add_prefix_cache_parser(commands: Subcommands) -> None:
+    w1 = commands.add_parser(
         "prefix-cache",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         help="W1: replay prompts through the RadixCache and paged allocator",
@@ -62,7 +84,10 @@ def build_parser() -> argparse.ArgumentParser:
     w1.add_argument("--cap", type=_positive, default=200_000, help="KV pool capacity in tokens")
     w1.add_argument("--limit", type=_non_negative, default=0, help="only the first N rows")
     w1.add_argument("--repeat", type=_positive, default=1, help="runs (one line each)")
-    replay = bench.add_parser(
+
+
+def _add_replay_parser(commands: Subcommands) -> None:
+    replay = commands.add_parser(
         "replay",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         help="W2: replay a Mooncake trace through the whole scheduler",
@@ -84,7 +109,10 @@ def build_parser() -> argparse.ArgumentParser:
     replay.add_argument("--block", type=_positive, default=16, help="tokens per trace hash id")
     replay.add_argument("--limit", type=_non_negative, default=0, help="only the first N rows")
     replay.add_argument("--no-progress", action="store_true", help="hide the progress bar")
-    steady = bench.add_parser(
+
+
+def _add_decode_steady_parser(commands: Subcommands) -> None:
+    steady = commands.add_parser(
         "decode-steady",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         help="W2: scheduler time per step with a batch held in steady decode",
@@ -97,7 +125,10 @@ def build_parser() -> argparse.ArgumentParser:
     steady.add_argument("--cached-tokens", type=_non_negative, default=0,
                         help="extra tokens cached in the tree before the run")
     steady.add_argument("--steps", type=_positive, default=200, help="measured decode steps")
-    chat = bench.add_parser(
+
+
+def _add_chat_parser(commands: Subcommands) -> None:
+    chat = commands.add_parser(
         "chat",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         help="the main job: multi-turn chats through the openai client against kvserve serve",
@@ -122,6 +153,9 @@ def build_parser() -> argparse.ArgumentParser:
                       "current folder")
     chat.add_argument("--api-key", help="API key of the --url server")
     chat.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+
+
+def _add_init_model_parser(commands: Subcommands) -> None:
     init = commands.add_parser(
         "init-model", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         help="write a random-weight checkpoint (config, safetensors, tokenizer)",
@@ -135,6 +169,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="weight dtype")
     init.add_argument("--force", action="store_true",
                       help="overwrite a checkpoint already in the folder")
+
+
+def _add_generate_parser(commands: Subcommands) -> None:
     gen = commands.add_parser(
         "generate", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         help="print the completion of a prompt",
@@ -150,10 +187,6 @@ def build_parser() -> argparse.ArgumentParser:
                      help="cpu, cuda or cuda:N (default: cuda when available)")
     gen.add_argument("--attention-backend", choices=["auto", "torch", "triton"], default="auto",
                      help="triton needs CUDA (or TRITON_INTERPRET=1 on CPU, for tests)")
-    from kvserve.server.launch import add_serve_parser
-
-    add_serve_parser(commands, _positive, _non_negative)
-    return parser
 
 
 def _init_model(args: argparse.Namespace) -> int:
