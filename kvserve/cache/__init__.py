@@ -6,6 +6,7 @@ from kvserve.cache.base import (
     LockRefError,
     MatchResult,
     PrefixLock,
+    SpentLockError,
 )
 from kvserve.cache.chunk import ChunkCache
 from kvserve.cache.radix import RadixCache, TreeNode
@@ -18,5 +19,6 @@ __all__ = [
     "MatchResult",
     "PrefixLock",
     "RadixCache",
+    "SpentLockError",
     "TreeNode",
 ]

@@ -6,6 +6,7 @@ from abc import ABC, abstractmethod
 from array import array
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from kvserve.kv import KVOwner
@@ -25,15 +26,25 @@ class InsertResult(NamedTuple):
     last_node: Any  # node ending exactly at the inserted key
 
 
-class PrefixLock(NamedTuple):
-    """Receipt of ``inc_lock_ref``: what to hand back to ``dec_lock_ref``."""
+@dataclass(slots=True, eq=False)
+class PrefixLock:
+    """Receipt of ``inc_lock_ref``: what to hand back to ``dec_lock_ref``, once.
+
+    Each receipt is its own object (compared by identity): two requests that lock
+    the same node hold two receipts, and spending one never touches the other's.
+    """
 
     node: Any
     prefix_len: int  # tokens protected by the lock
+    spent: bool = False  # handed back to dec_lock_ref already
 
 
 class LockRefError(RuntimeError):
     """``dec_lock_ref`` on a node that is not locked."""
+
+
+class SpentLockError(LockRefError):
+    """``dec_lock_ref`` with a receipt that was handed back before."""
 
 
 class BasePrefixCache(ABC):
@@ -81,13 +92,21 @@ class BasePrefixCache(ABC):
             self._deferred_locks.setdefault(self._defer_batch, []).append(lock)
 
     def dec_lock_ref(self, lock: PrefixLock) -> None:
-        """Undo one ``inc_lock_ref`` (held back while deferring). Raises LockRefError when
-        the node is not locked."""
+        """Undo one ``inc_lock_ref`` (held back while deferring) and spend the receipt.
+
+        Raises SpentLockError for a receipt already spent (even while another request
+        still locks the node: the lock_ref it would take is that request's), and
+        LockRefError when the node is not locked; either leaves every lock_ref as it was.
+        """
+        if lock.spent:
+            raise SpentLockError(f"dec_lock_ref with a spent receipt: the lock on "
+                                 f"{lock.node!r} ({lock.prefix_len} tokens) was released before")
         if self._defer_batch is not None:
             self._check_locked(lock)
             self._hold_for_batch(lock)
         else:
             self._unlock(lock)
+        lock.spent = True
 
     def _check_locked(self, lock: PrefixLock) -> None:
         return None

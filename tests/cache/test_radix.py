@@ -2,7 +2,7 @@ from array import array
 
 import pytest
 
-from kvserve.cache import ChunkCache, LockRefError, RadixCache
+from kvserve.cache import ChunkCache, LockRefError, RadixCache, SpentLockError
 from kvserve.mem import MemoryPools, PoolError, ReqToTokenPool, TokenToKVPoolAllocator
 
 
@@ -161,6 +161,52 @@ def test_locked_node_and_its_ancestors_are_never_evicted():
     assert cache.evict(100) == 4
     assert cache.evictable_size() == 0
     assert cache.verify() == []
+
+
+def two_requests_lock_one_node(cache):
+    """[1, 2] -> {[3, 4], [9]}; requests A and B both lock [1, 2, 3, 4]."""
+    put(cache, [1, 2, 3, 4])
+    put(cache, [1, 2, 9])
+    node = cache.match_prefix([1, 2, 3, 4]).last_node
+    return node, cache.inc_lock_ref(node), cache.inc_lock_ref(node)
+
+
+def test_two_requests_lock_a_node_and_a_second_unlock_with_a_spent_receipt_raises():
+    cache = make_cache(1, 64)
+    node, lock_a, lock_b = two_requests_lock_one_node(cache)
+    assert (node.lock_ref, node.parent.lock_ref) == (2, 2)
+    cache.dec_lock_ref(lock_a)
+    with pytest.raises(SpentLockError, match="spent receipt"):
+        cache.dec_lock_ref(lock_a)  # B still locks the node: it used to take B's lock
+    assert (node.lock_ref, node.parent.lock_ref) == (1, 1)  # B's lock is intact
+    assert cache.lock_path_counts([lock_b]) == [] and cache.verify() == []
+    assert cache.protected_size() == 4 and cache.evictable_size() == 1
+    assert cache.evict(100) == 1  # only the unlocked [9]
+    cache.dec_lock_ref(lock_b)
+    assert (node.lock_ref, node.parent.lock_ref) == (0, 0)
+    assert cache.protected_size() == 0 and cache.evictable_size() == 4
+
+
+def test_a_spent_receipt_raises_also_while_unlocks_are_deferred():
+    cache = make_cache(1, 64)
+    node, lock_a, lock_b = two_requests_lock_one_node(cache)
+    with cache.deferring(batch_id=7):
+        cache.dec_lock_ref(lock_a)  # held back until batch 7's results
+        with pytest.raises(SpentLockError):
+            cache.dec_lock_ref(lock_a)
+    assert cache.deferred_locks() == [lock_a] and node.lock_ref == 2
+    cache.release_deferred(7)
+    assert (node.lock_ref, node.parent.lock_ref) == (1, 1)
+    assert cache.lock_path_counts([lock_b]) == [] and cache.verify() == []
+
+
+def test_equal_receipts_of_two_requests_are_two_receipts():
+    cache = make_cache(1, 64)
+    _, lock_a, lock_b = two_requests_lock_one_node(cache)
+    assert (lock_a.node, lock_a.prefix_len) == (lock_b.node, lock_b.prefix_len)
+    assert lock_a != lock_b
+    cache.dec_lock_ref(lock_a)
+    assert (lock_a.spent, lock_b.spent) == (True, False)
 
 
 def test_lock_survives_a_split_of_the_locked_path():
