@@ -116,10 +116,7 @@ class TokenToKVPoolAllocator:
         elif self._group is not None and not immediate:
             self._group.extend(page_ids)
         else:
-            self._mark(page_ids, USED, FREE)
-            self._free_pages.extend(page_ids)
-            if self.on_free is not None:
-                self.on_free(page_ids)
+            self._release(page_ids, USED, "one free() call")
 
     @contextmanager
     def free_group(self) -> Iterator[None]:
@@ -132,7 +129,8 @@ class TokenToKVPoolAllocator:
             yield
         finally:
             group, self._group = self._group, None
-            self.free(group)
+            if group:
+                self._release(group, USED, "one free_group() block")
 
     @contextmanager
     def deferring(self, batch_id: int) -> Iterator[None]:
@@ -147,7 +145,7 @@ class TokenToKVPoolAllocator:
         """Hold used pages until ``release_deferred(batch_id)``. Raises DoubleFreeError."""
         if not page_ids:
             return
-        self._mark(page_ids, USED, PENDING)
+        self._mark(page_ids, USED, PENDING, "one defer_free() call")
         self._deferred.setdefault(batch_id, []).extend(page_ids)
 
     def release_deferred(self, batch_id: int) -> int:
@@ -155,11 +153,15 @@ class TokenToKVPoolAllocator:
         pages = self._deferred.pop(batch_id, None)
         if not pages:
             return 0
-        self._mark(pages, PENDING, FREE)
-        self._free_pages.extend(pages)
-        if self.on_free is not None:
-            self.on_free(pages)
+        self._release(pages, PENDING, f"batch {batch_id}'s deferred queue")
         return len(pages)
+
+    def _release(self, page_ids: Sequence[int], expect: int, where: str) -> None:
+        """Pages in state ``expect`` become FREE (all or none). Raises DoubleFreeError."""
+        self._mark(page_ids, expect, FREE, where)
+        self._free_pages.extend(page_ids)
+        if self.on_free is not None:
+            self.on_free(page_ids)
 
     def deferred_batches(self) -> dict[int, list[int]]:
         """Copy of the deferred-release queue: batch id -> page ids."""
@@ -191,14 +193,19 @@ class TokenToKVPoolAllocator:
         """Number of pages per state, from the byte map (page 0 included as reserved)."""
         return {name: self._state.count(code) for code, name in _STATE_NAMES.items()}
 
-    def _mark(self, page_ids: Sequence[int], expect: int, new: int) -> None:
-        """Move pages from state ``expect`` to ``new``, all or none."""
+    def _mark(self, page_ids: Sequence[int], expect: int, new: int, where: str) -> None:
+        """Move pages from state ``expect`` to ``new``, all or none; ``where`` names the
+        list for the error (``"one free() call"``)."""
         state = self._state
         last = self.num_pages
         for i, page in enumerate(page_ids):
             if page < 0 or page > last or state[page] != expect:
+                # Only a page this list already moved can be a repeat (else we stopped there).
+                repeat = 0 <= page <= last and page in page_ids[:i]
                 for undo in page_ids[:i]:
                     state[undo] = expect
+                if repeat:
+                    raise DoubleFreeError(f"page {page} listed twice in {where}")
                 raise self._bad_page(page, expect)
             state[page] = new
 

@@ -2,7 +2,8 @@
 
 
 class DoubleFreeError(RuntimeError):
-    """A page, row or Mamba slot was freed while already free (or reserved)."""
+    """A page, row or Mamba slot was freed while already free (or reserved), or listed
+    twice in one release."""
 
 
 class PoolError(ValueError):

@@ -78,6 +78,33 @@ def test_double_free_raises_and_changes_nothing():
     assert alloc.page_state(a[3]) == "used"
 
 
+def test_a_page_listed_twice_in_one_free_is_named_and_nothing_is_freed():
+    alloc = TokenToKVPoolAllocator(8, 1)
+    pages = alloc.alloc_pages(8)
+    alloc.free(pages[:1])
+    state, free_ids = alloc.state_bytes(), alloc.free_page_ids()
+    with pytest.raises(DoubleFreeError, match=r"^page 7 listed twice in one free\(\) call$"):
+        alloc.free([2, 7, 3, 7, 4])
+    assert alloc.state_bytes() == state and alloc.free_page_ids() == free_ids == [1]
+    assert alloc.state_counts() == {"used": 7, "free": 1, "reserved": 1, "pending release": 0}
+    alloc.free([2, 7, 3, 4])  # each page once: fine
+    assert alloc.free_page_ids() == [1, 2, 7, 3, 4]
+
+
+def test_a_page_listed_twice_in_a_free_group_or_deferred_free_is_named():
+    alloc = TokenToKVPoolAllocator(8, 1)
+    pages = alloc.alloc_pages(3)
+    with pytest.raises(DoubleFreeError, match=r"^page 2 listed twice in one free_group\(\) "
+                       r"block$"), alloc.free_group():
+        alloc.free(pages[:2])
+        alloc.free([2])
+    with pytest.raises(DoubleFreeError, match=r"^page 3 listed twice in one defer_free\(\) "
+                       r"call$"):
+        alloc.defer_free(9, [3, 3])
+    assert alloc.state_counts()["used"] == 3 and alloc.deferred_batches() == {}
+    assert alloc.available_pages() == 5
+
+
 def test_free_of_reserved_or_out_of_range_page_raises():
     alloc = TokenToKVPoolAllocator(8, 1)
     with pytest.raises(DoubleFreeError, match="reserved"):
