@@ -13,7 +13,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from kvserve.server import native_api, openai_api
 from kvserve.server.http import ApiKeyMiddleware, error_response
 from kvserve.server.protocol import ApiError
-from kvserve.server.state import Generation, Server, ServerArgs
+from kvserve.server.state import Server, ServerArgs
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:
@@ -48,5 +48,3 @@ def create_app(args: ServerArgs, server: Server | None = None) -> FastAPI:
         app.include_router(native_api.debug_router)
     return app
 
-
-__all__ = ["Generation", "Server", "ServerArgs", "create_app"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
@@ -21,6 +21,16 @@ from kvserve.server.protocol import (
 from kvserve.server.state import Generation, Server
 
 router = APIRouter()
+_BodyT = TypeVar("_BodyT", CompletionRequest, ChatCompletionRequest)
+
+
+async def _read_request(request: Request, model: type[_BodyT]) -> tuple[Server, _BodyT]:
+    """The server and the checked body, for the served model (else 400 / 404)."""
+    srv = server_of(request)
+    body = await srv.read_body(request, model)
+    body.check()
+    srv.check_model(body.model)
+    return srv, body
 
 
 def _usage(out: ReqOutput) -> dict[str, Any]:
@@ -88,10 +98,7 @@ async def _openai_reply(srv: Server, gen: Generation, body: OpenAIRequest, reply
 @router.post("/v1/completions")
 @endpoint
 async def completions(request: Request) -> Response:
-    srv = server_of(request)
-    body = await srv.read_body(request, CompletionRequest)
-    body.check()
-    srv.check_model(body.model)
+    srv, body = await _read_request(request, CompletionRequest)
     prompt = body.prompt
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
         if len(prompt) != 1:
@@ -124,10 +131,7 @@ async def completions(request: Request) -> Response:
 @router.post("/v1/chat/completions")
 @endpoint
 async def chat_completions(request: Request) -> Response:
-    srv = server_of(request)
-    body = await srv.read_body(request, ChatCompletionRequest)
-    body.check()
-    srv.check_model(body.model)
+    srv, body = await _read_request(request, ChatCompletionRequest)
     messages = [{"role": m.role, "content": m.text()} for m in body.messages]
     try:
         rendered = srv.tokenizer.apply_chat_template(messages, tokenize=False,
