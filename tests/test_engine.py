@@ -212,7 +212,7 @@ def test_one_bad_prompt_in_a_batch_stops_the_others(engine):
         if pools_full(engine):
             break
         time.sleep(0.01)
-    assert pools_full(engine) and not engine._outboxes
+    assert pools_full(engine) and not engine.router
 
 
 def test_a_stream_never_shows_text_the_stop_string_cuts(engine):

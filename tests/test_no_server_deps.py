@@ -20,7 +20,8 @@ def _run(code: str) -> subprocess.CompletedProcess[str]:
 
 def test_engine_and_cli_import_without_server_libraries():
     done = _run("import kvserve\nfrom kvserve import Engine, SamplingParams\n"
-                "import kvserve.engine, kvserve.cli\n"
+                "import kvserve.engine, kvserve.engine.messages, kvserve.engine.router\n"
+                "import kvserve.cli\n"
                 "kvserve.cli.build_parser().parse_args(['generate', 'hi'])\nprint('ok')\n")
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "ok"

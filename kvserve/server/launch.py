@@ -94,7 +94,8 @@ def serve(args: argparse.Namespace) -> int:
         import uvicorn
 
         from kvserve.engine import EngineArgs
-        from kvserve.server.app import ServerArgs, create_app
+        from kvserve.server.app import create_app
+        from kvserve.server.state import ServerArgs
     except ImportError as err:
         print(f"kvserve serve needs the server extras ({err.name} is missing): "
               "pip install 'kvserve[server]'", file=sys.stderr)

@@ -47,14 +47,14 @@ def engine(model_dir: Path) -> Iterator[Engine]:
 
 def _settled(e: Engine) -> bool:
     s, alloc = e.scheduler, e.scheduler.pools.allocator
-    return (s.is_idle and not e._outboxes and not e._orphans
+    return (s.is_idle and not e.router
             and alloc.available_size() + s.tree_cache.evictable_size() == alloc.size)
 
 
 def _wait_settled(e: Engine) -> None:
     deadline = time.monotonic() + 20
     while not _settled(e):
-        assert time.monotonic() < deadline, (e._outboxes.keys(), e._orphans)
+        assert time.monotonic() < deadline, (e.router.rids(), e.router.orphans())
         time.sleep(0.01)
 
 
@@ -91,7 +91,7 @@ def test_engine_batch_with_random_aborts_and_abandoned_streams_from_threads(
         rng = random.Random(0)
         while not stop.is_set():
             with engine._lock:
-                live = list(engine._outboxes)
+                live = engine.router.rids()
             if live:
                 engine.abort(rng.choice(live))
             time.sleep(0.005)

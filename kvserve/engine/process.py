@@ -1,6 +1,6 @@
 """The engine process of ``kvserve serve``: ``EngineCore.run`` behind two ZMQ sockets.
 
-    HTTP process --PUSH--> commands (pickled (name, arg) tuples) --PULL--> engine process
+    HTTP process --PUSH--> commands (a pickled message each)     --PULL--> engine process
     HTTP process <--PULL-- events (a pickled list per loop turn)   <--PUSH-- engine process
 
 The first message the engine sends is ``EngineReady`` (or ``EngineFailed`` when the
@@ -16,20 +16,11 @@ import os
 import signal
 import traceback
 from collections.abc import Sequence
-from typing import Any, NamedTuple
 
 import zmq
 
-from kvserve.engine import Command, EngineArgs, EngineCore, EngineStats, Event
-
-
-class EngineReady(NamedTuple):
-    info: dict[str, Any]  # EngineCore.rpc("info")
-    stats: EngineStats  # so /metrics has every series from the start
-
-
-class EngineFailed(NamedTuple):
-    message: str
+from kvserve.engine.core import EngineArgs, EngineCore
+from kvserve.engine.messages import Command, EngineFailed, EngineReady, Event, ShutdownReq
 
 
 def run_engine_process(args: EngineArgs, command_addr: str, event_addr: str) -> None:
@@ -55,9 +46,9 @@ def run_engine_process(args: EngineArgs, command_addr: str, event_addr: str) -> 
 
     def recv(timeout_s: float) -> list[Command]:
         if terminated:
-            return [("stop", "engine process terminated")]
+            return [ShutdownReq("engine process terminated")]
         if os.getppid() != parent:
-            return [("stop", "HTTP process is gone")]
+            return [ShutdownReq("HTTP process is gone")]
         received: list[Command] = []
         if timeout_s <= 0 or commands.poll(int(timeout_s * 1000)):
             while True:

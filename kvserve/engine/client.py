@@ -1,7 +1,8 @@
 """``EngineClient``: the HTTP process's side of the engine process (asyncio + ZMQ).
 
 It starts the engine process, waits for ``EngineReady``, then one reader task
-routes every event: a request's outputs to its own ``asyncio.Queue``, add
+dispatches every event by type: a request's outputs to its own ``asyncio.Queue``
+(through a ``RequestRouter``, as the in-process ``Engine`` does), add
 acknowledgements and RPC replies to futures, stats snapshots to ``stats``. When
 the engine process dies, every waiter gets ``EngineDead`` instead of hanging.
 """
@@ -14,6 +15,7 @@ import itertools
 import multiprocessing
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,17 +23,25 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from kvserve.engine import (
+from kvserve.engine.core import EngineArgs
+from kvserve.engine.messages import (
+    AbortReq,
     Accepted,
-    AddRequest,
-    EngineArgs,
+    AddReq,
+    CheckReq,
+    Command,
+    EngineFailed,
+    EngineReady,
     EngineStats,
     Rejected,
     Reply,
+    RpcReq,
+    ShutdownReq,
 )
+from kvserve.engine.process import run_engine_process
+from kvserve.engine.router import RequestRouter
 from kvserve.sched.req import QueueFull, RequestRejected, SamplingParams
 from kvserve.sched.scheduler import ReqOutput
-from kvserve.server.engine_proc import EngineFailed, EngineReady, run_engine_process
 
 _WATCH_INTERVAL_S = 0.1  # how often the engine process's liveness is checked
 
@@ -46,10 +56,6 @@ class RequestChannel:
 
     rid: str
     queue: asyncio.Queue[ReqOutput | Exception] = field(default_factory=asyncio.Queue)
-    finished: bool = False
-    # its reader left before the engine finished it: kept until the engine's last output
-    # (or refusal) so that output never reaches a new request reusing the rid
-    orphaned: bool = False
 
 
 class EngineClient:
@@ -66,7 +72,7 @@ class EngineClient:
         self.info: dict[str, Any] = {}
         self.stats: EngineStats | None = None
         self.dead: str | None = None  # why, once the engine process is gone
-        self.channels: dict[str, RequestChannel] = {}
+        self.router: RequestRouter[RequestChannel] = RequestRouter()
         self._acks: dict[str, asyncio.Future[Accepted | Rejected]] = {}
         self._replies: dict[int, asyncio.Future[Any]] = {}
         self._tags = itertools.count()
@@ -116,7 +122,8 @@ class EngineClient:
             # NOBLOCK: a dying engine has closed its socket, and a blocking send to no
             # peer would wait forever (SIGTERM then never ends the server)
             with contextlib.suppress(zmq.ZMQError):
-                await self._commands.send_pyobj(("stop", "server shutting down"), zmq.NOBLOCK)
+                await self._commands.send_pyobj(ShutdownReq("server shutting down"),
+                                                zmq.NOBLOCK)
             deadline = time.monotonic() + timeout_s
             while proc.is_alive() and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
@@ -137,25 +144,19 @@ class EngineClient:
         """Queue a request in the engine and return its channel once accepted.
         Raises RequestRejected (bad input, duplicate rid), QueueFull, EngineDead."""
         self._check_alive()
-        if rid in self.channels:
-            raise RequestRejected(f"duplicate request id {rid!r}")
         channel = RequestChannel(rid)
-        self.channels[rid] = channel
+        self.router.open(rid, channel)
         ack: asyncio.Future[Accepted | Rejected] = asyncio.get_running_loop().create_future()
         self._acks[rid] = ack
         try:
-            await self._commands.send_pyobj(("add", AddRequest(rid, input_ids, sampling)))
+            await self._commands.send_pyobj(AddReq(rid, input_ids, sampling))
             answer = await ack
         except BaseException:
             self._acks.pop(rid, None)
-            if not ack.done() or not isinstance(ack.result(), Rejected):
-                channel.orphaned = True  # until the engine's answer for this rid comes
-                self.abort(rid)  # cancelled while queued: the engine may hold it
-            else:
-                self.channels.pop(rid, None)
+            self.release(rid)  # cancelled while queued: the engine may hold it
             raise
         if isinstance(answer, Rejected):
-            self.channels.pop(rid, None)
+            self.router.close(rid)
             raise QueueFull(answer.message) if answer.queue_full else \
                 RequestRejected(answer.message)
         return channel
@@ -163,26 +164,30 @@ class EngineClient:
     def abort(self, rid: str) -> None:
         """Abort ``rid`` in the engine (at any stage; no-op when unknown or finished)."""
         if self.dead is None and not self._closing:
-            self._commands.send_pyobj(("abort", rid))
+            self._commands.send_pyobj(AbortReq(rid))
 
     def release(self, rid: str) -> None:
-        """Forget a request's channel (its reader is done with it). One the engine has
-        not finished yet (the reader left early and aborted it) stays as an orphan until
-        its final output arrives: the rid stays taken until the engine lets go of it."""
-        channel = self.channels.get(rid)
-        if channel is None or channel.finished:
-            self.channels.pop(rid, None)
-        else:
-            channel.orphaned = True
+        """The reader of ``rid`` is done with its channel. One the engine has not
+        finished yet (the reader left early) is aborted and stays as an orphan until its
+        final output arrives: the rid stays taken until the engine lets go of it."""
+        if self.router.close(rid):
+            self.abort(rid)
 
-    async def rpc(self, what: str, timeout_s: float = 30.0) -> Any:
-        """Ask the engine (``EngineCore.rpc``: "stats", "info", "flush_cache", "check")."""
+    async def rpc(self, method: str, timeout_s: float = 30.0) -> Any:
+        """Ask the engine (``EngineCore.rpc``: "stats", "info", "flush_cache")."""
+        return await self._call(lambda tag: RpcReq(tag, method), timeout_s)
+
+    async def check(self, timeout_s: float = 30.0) -> Any:
+        """The engine's full invariant check (``EngineCore.check``), run once it is idle."""
+        return await self._call(CheckReq, timeout_s)
+
+    async def _call(self, command: Callable[[int], Command], timeout_s: float) -> Any:
         self._check_alive()
         tag = next(self._tags)
         reply: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._replies[tag] = reply
         try:
-            await self._commands.send_pyobj(("rpc", (tag, what)))
+            await self._commands.send_pyobj(command(tag))
             return await asyncio.wait_for(reply, timeout_s)
         finally:
             self._replies.pop(tag, None)
@@ -198,27 +203,23 @@ class EngineClient:
                 self._dispatch(event)
 
     def _dispatch(self, event: Any) -> None:
-        if isinstance(event, ReqOutput):
-            channel = self.channels.get(event.rid)
-            if channel is not None:
-                channel.finished = event.finished_reason is not None
-                if not channel.orphaned:
-                    channel.queue.put_nowait(event)
-                elif channel.finished:
-                    del self.channels[event.rid]
-        elif isinstance(event, Accepted | Rejected):
-            ack = self._acks.pop(event.rid, None)
-            if ack is not None and not ack.done():
-                ack.set_result(event)
-            orphan = self.channels.get(event.rid)
-            if isinstance(event, Rejected) and orphan is not None and orphan.orphaned:
-                del self.channels[event.rid]
-        elif isinstance(event, Reply):
-            reply = self._replies.get(event.tag)
-            if reply is not None and not reply.done():
-                reply.set_result(event.payload)
-        elif isinstance(event, EngineStats):
-            self.stats = event
+        match event:
+            case ReqOutput() as out:
+                channel = self.router.route(out)
+                if channel is not None:
+                    channel.queue.put_nowait(out)
+            case Accepted(rid=rid) | Rejected(rid=rid):
+                ack = self._acks.pop(rid, None)
+                if ack is not None and not ack.done():
+                    ack.set_result(event)
+                if isinstance(event, Rejected):  # the answer goes by the ack, not the channel
+                    self.router.route(event)
+            case Reply(tag=tag, payload=payload):
+                reply = self._replies.get(tag)
+                if reply is not None and not reply.done():
+                    reply.set_result(payload)
+            case EngineStats():
+                self.stats = event
 
     async def _watch_process(self) -> None:
         assert self.process is not None
@@ -232,7 +233,7 @@ class EngineClient:
             self._fail_all(why)
 
     def _fail_all(self, why: str) -> None:
-        for channel in self.channels.values():
+        for channel in self.router.channels():
             channel.queue.put_nowait(EngineDead(why))
         for future in [*self._acks.values(), *self._replies.values()]:
             if not future.done():

@@ -1,0 +1,247 @@
+"""``Engine``: an in-process engine, ``EngineCore.run`` in a background thread.
+
+    from kvserve import Engine, SamplingParams
+    with Engine(model_path="/path/to/hf-checkpoint") as engine:
+        out = engine.generate(prompt="Hello", sampling_params={"max_new_tokens": 16})
+        print(out.text, out.finish_reason)
+
+Callers' threads put commands in an inbox queue; the loop's thread routes each
+request's events to the caller's queue through a ``RequestRouter``, so ``abort``
+works while another thread reads a stream.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import queue
+import threading
+from collections.abc import Generator, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvserve.engine.core import EngineArgs, EngineCore
+from kvserve.engine.messages import AbortReq, AddReq, Command, Event, Rejected, ShutdownReq
+from kvserve.engine.router import RequestRouter
+from kvserve.engine.stream import OutputStream
+from kvserve.sched.req import RequestRejected, SamplingParams
+from kvserve.sched.scheduler import ReqOutput
+
+Outbox = queue.Queue[ReqOutput | Exception]  # one request's outputs, for its reader
+
+
+@dataclass
+class GenerateOutput:
+    """A finished (or, when streaming, partial) request. Token counts are tokens."""
+
+    rid: str
+    text: str
+    output_ids: list[int]
+    finish_reason: str | None  # "stop" | "length" | "abort" | None while running
+    finish_message: str = ""
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    delta: str = ""  # streaming: text new since the previous chunk
+    output_logprobs: list[float] | None = None  # with return_logprob, on the final output
+
+
+def parse_sampling(params: SamplingParams | dict[str, Any] | None) -> SamplingParams:
+    """``SamplingParams`` from an object, a dict of its fields or None (defaults).
+    Raises RequestRejected for unknown fields or bad values."""
+    if params is None:
+        return SamplingParams()
+    if isinstance(params, SamplingParams):
+        params.validate()
+        return params
+    names = {f.name for f in dataclasses.fields(SamplingParams)}
+    unknown = set(params) - names
+    if unknown:
+        raise RequestRejected(f"unknown sampling parameters: {sorted(unknown)}")
+    values = dict(params)
+    for key in ("stop_token_ids", "stop"):
+        if key in values:
+            v = values[key]
+            values[key] = () if v is None else (v,) if isinstance(v, str | int) else tuple(v)
+    sampling = SamplingParams(**values)
+    sampling.validate()
+    return sampling
+
+
+
+class Engine:
+    """An in-process engine over a local Hugging Face checkpoint: ``EngineCore.run`` in a
+    background thread. Keyword arguments are ``EngineArgs`` fields (``model_path``,
+    ``page_size``, ``chunked_prefill_size``, ``max_total_tokens``, ``device``, ...)."""
+
+    def __init__(self, model_path: str | Path | None = None, **kwargs: Any) -> None:
+        self.core = EngineCore(EngineArgs(model_path=model_path, **kwargs))
+        self.runner = self.core.runner
+        self.scheduler = self.core.scheduler
+        self.tokenizer = self.core.tokenizer
+        self.model_path = self.core.model_path
+        self._inbox: queue.Queue[Command] = queue.Queue()
+        self.router: RequestRouter[Outbox] = RequestRouter()
+        self._lock = threading.Lock()  # the router, between callers and the loop
+        self._rids = itertools.count()
+        self._closed = False
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._loop, name="kvserve-engine", daemon=True)
+        self._thread.start()
+
+    # -- public API ---------------------------------------------------------------------
+    def generate(
+        self,
+        prompt: str | Sequence[str] | None = None,
+        input_ids: Sequence[int] | Sequence[Sequence[int]] | None = None,
+        sampling_params: SamplingParams | dict[str, Any] | None = None,
+        rid: str | None = None,
+    ) -> GenerateOutput | list[GenerateOutput]:
+        """Run one request (a str or one id list) or many (a list of them) to completion.
+        Raises RequestRejected for bad input (nothing is queued for it)."""
+        single, requests = self._requests(prompt, input_ids)
+        sampling = parse_sampling(sampling_params)
+        opened = [self._submit(ids, sampling, rid if single else None) for ids in requests]
+        try:
+            results = [self._collect(r, box) for r, box in opened]
+        except Exception:
+            for other, _ in opened:  # one was rejected: stop the rest instead of orphaning them
+                self._leave(other)
+            raise
+        return results[0] if single else results
+
+    def generate_stream(
+        self,
+        prompt: str | None = None,
+        input_ids: Sequence[int] | None = None,
+        sampling_params: SamplingParams | dict[str, Any] | None = None,
+        rid: str | None = None,
+    ) -> Generator[GenerateOutput, None, None]:  # close() it to walk away early
+        """Yield a ``GenerateOutput`` per step that produced tokens; ``delta`` is the new
+        text (incomplete UTF-8 held back); the last one has ``finish_reason`` set."""
+        single, requests = self._requests(prompt, input_ids)
+        if not single:
+            raise RequestRejected("generate_stream takes one prompt")
+        sampling = parse_sampling(sampling_params)
+        rid, box = self._submit(requests[0], sampling, rid)
+        yield from self._stream(rid, box, sampling.stop)
+
+    def abort(self, rid: str) -> None:
+        """Abort a request at any stage (no-op for an unknown or finished rid)."""
+        self._inbox.put(AbortReq(rid))
+
+    def shutdown(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._inbox.put(ShutdownReq())
+            self._thread.join(timeout=30)
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    # -- request plumbing ---------------------------------------------------------------
+    def _requests(self, prompt: Any, input_ids: Any) -> tuple[bool, list[list[int]]]:
+        if (prompt is None) == (input_ids is None):
+            raise RequestRejected("give exactly one of prompt or input_ids")
+        if prompt is not None:
+            if isinstance(prompt, str):
+                return True, [self.tokenizer.encode(prompt)]
+            if not all(isinstance(p, str) for p in prompt):
+                raise RequestRejected("prompt must be a string or a list of strings")
+            return False, [self.tokenizer.encode(p) for p in prompt]
+        if input_ids and all(isinstance(t, int) and not isinstance(t, bool) for t in input_ids):
+            return True, [list(input_ids)]
+        if input_ids and all(isinstance(t, list | tuple) for t in input_ids):
+            return False, [list(t) for t in input_ids]
+        raise RequestRejected("input_ids must be a non-empty list of ints or of int lists")
+
+    def _submit(self, ids: list[int], sampling: SamplingParams,
+                rid: str | None) -> tuple[str, Outbox]:
+        if self._closed:
+            raise RuntimeError("engine is shut down")
+        if self._error is not None:
+            raise RuntimeError(f"engine loop died: {self._error!r}")
+        rid = rid or f"gen-{next(self._rids)}"
+        box: Outbox = queue.Queue()
+        with self._lock:
+            self.router.open(rid, box)
+        self._inbox.put(AddReq(rid, ids, sampling))
+        return rid, box
+
+    def _stream(self, rid: str, box: Outbox,
+                stops: Sequence[str] = ()) -> Iterator[GenerateOutput]:
+        stream = OutputStream(self.tokenizer, stops)
+        text = stream.text
+        try:
+            while not stream.finished:
+                item = box.get()
+                delta = stream.add(item)
+                assert isinstance(item, ReqOutput)  # add raised an exception item
+                reason = item.finished_reason
+                yield GenerateOutput(
+                    rid, text.sent, list(text.ids), reason.kind.value if reason else None,
+                    reason.message if reason else "", item.prompt_tokens, item.cached_tokens,
+                    item.completion_tokens, delta,
+                    list(item.output_logprobs) if item.output_logprobs is not None else None,
+                )
+        finally:
+            self._leave(rid)
+
+    def _leave(self, rid: str) -> None:
+        """The reader of ``rid`` is done; one that left before the engine's final output
+        aborts the request (the rid stays taken until that output: ``RequestRouter``)."""
+        with self._lock:
+            orphaned = self.router.close(rid)
+        if orphaned:
+            self.abort(rid)
+
+    def _collect(self, rid: str, box: Outbox) -> GenerateOutput:
+        last = None
+        for last in self._stream(rid, box):  # noqa: B007
+            pass
+        assert last is not None
+        last.delta = ""
+        return last
+
+    # -- the engine core loop (background thread) ----------------------------------------
+    def _recv(self, timeout_s: float) -> list[Command]:
+        commands: list[Command] = []
+        try:
+            commands.append(self._inbox.get(timeout=timeout_s) if timeout_s > 0
+                            else self._inbox.get_nowait())
+            while True:
+                commands.append(self._inbox.get_nowait())
+        except queue.Empty:
+            return commands
+
+    def _deliver(self, events: Sequence[Event]) -> None:
+        with self._lock:
+            for event in events:
+                if not isinstance(event, ReqOutput | Rejected):
+                    continue
+                box = self.router.route(event)
+                if box is not None:
+                    box.put(event if isinstance(event, ReqOutput)
+                            else RequestRejected(event.message))
+
+    def _loop(self) -> None:
+        try:
+            self.core.run(self._recv, self._deliver)
+        except BaseException as err:  # report to every waiting caller instead of hanging
+            self._error = err
+            self._fail_all(RuntimeError(f"engine loop died: {err!r}"))
+            raise
+        self._fail_all(RuntimeError("engine shut down"))
+
+    def _fail_all(self, error: Exception) -> None:
+        with self._lock:  # a copy: readers close their route as they finish
+            boxes = self.router.channels()
+        for box in boxes:
+            box.put(error)
+
+
+__all__ = ["Engine", "GenerateOutput", "parse_sampling"]

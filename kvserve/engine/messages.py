@@ -1,0 +1,115 @@
+"""The messages between an engine's callers and ``EngineCore.run``: one class per
+command and per event. ``EngineCore.handle`` and ``EngineClient`` dispatch on the class.
+
+    caller --commands--> EngineCore.run      AddReq, AbortReq, RpcReq, CheckReq, ShutdownReq
+    caller <--events---- EngineCore.run      ReqOutput, Accepted, Rejected, Reply, EngineStats
+
+All are NamedTuples (they cross the engine process's ZMQ sockets pickled) and free of
+server libraries. The engine process opens with ``EngineReady`` or ``EngineFailed``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+from kvserve.sched.req import SamplingParams
+from kvserve.sched.scheduler import ReqOutput
+
+
+# -- commands ------------------------------------------------------------------------------
+class AddReq(NamedTuple):
+    """Command: queue ``rid``; answered by ``Accepted`` or ``Rejected``."""
+
+    rid: str
+    input_ids: list[int]
+    sampling: SamplingParams
+
+
+class AbortReq(NamedTuple):
+    """Command: abort ``rid`` at any stage (no-op for an unknown or finished rid)."""
+
+    rid: str
+
+
+class RpcReq(NamedTuple):
+    """Command: a synchronous query (``EngineCore.rpc``), answered by ``Reply(tag, ...)``."""
+
+    tag: int
+    method: str  # "stats" | "info" | "flush_cache"
+
+
+class CheckReq(NamedTuple):
+    """Command: the full invariant check, answered by ``Reply(tag, report)`` once the
+    engine is idle (or after ``CHECK_DEADLINE_S``, whichever comes first)."""
+
+    tag: int
+
+
+class ShutdownReq(NamedTuple):
+    """Command: abort and release every live request, then leave the loop."""
+
+    message: str = "engine shut down"
+
+
+Command = AddReq | AbortReq | RpcReq | CheckReq | ShutdownReq
+
+
+# -- events --------------------------------------------------------------------------------
+class Accepted(NamedTuple):
+    """Event: ``rid`` is queued."""
+
+    rid: str
+
+
+class Rejected(NamedTuple):
+    """Event: ``AddReq`` refused ``rid`` (nothing was queued). ``queue_full`` -> retry later."""
+
+    rid: str
+    message: str
+    queue_full: bool = False
+
+
+class Reply(NamedTuple):
+    """Event: the answer to an ``RpcReq`` or ``CheckReq`` with the same ``tag``."""
+
+    tag: int
+    payload: Any
+
+
+class EngineStats(NamedTuple):
+    """Event: a snapshot of the engine's gauges and counters (tokens, requests)."""
+
+    time: float  # time.time() of the snapshot
+    running: int
+    waiting: int
+    kv_used_tokens: int  # held by live requests (owned or locked prefix)
+    kv_cached_tokens: int  # evictable prefix cache
+    kv_total_tokens: int
+    prompt_tokens: int  # of admitted requests
+    cached_tokens: int  # of those, served by the prefix cache
+    retractions: int
+    aborts: int
+    finished: int
+    queue_full: int  # requests refused by max_queued_requests
+    checker_runs: int
+    violations: int
+
+
+Event = ReqOutput | Accepted | Rejected | Reply | EngineStats
+
+
+# -- the engine process's first message ----------------------------------------------------
+class EngineReady(NamedTuple):
+    info: dict[str, Any]  # EngineCore.rpc("info")
+    stats: EngineStats  # so /metrics has every series from the start
+
+
+class EngineFailed(NamedTuple):
+    """The engine process could not load the model, or its loop died (a traceback)."""
+
+    message: str
+
+
+def is_final(event: ReqOutput | Rejected) -> bool:
+    """Whether ``event`` is the engine's last word on its rid (a refusal or a finish)."""
+    return isinstance(event, Rejected) or event.finished_reason is not None

@@ -1,0 +1,205 @@
+"""``Server``: what every route reads from ``request.app.state.server``: the engine
+client, the tokenizer, the metrics and the table of requests in flight on the HTTP side.
+
+A request is tokenized here, queued in the engine process and read back as token
+ids, detokenized here (``OutputStream``: complete UTF-8 only; cut exactly at a stop
+string). A watcher polls every in-flight request for a client disconnect every 50 ms
+and aborts it in the engine (streaming, non-streaming, queued or prefilling alike).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from fastapi import Request
+from pydantic import BaseModel, ValidationError
+
+from kvserve.engine.client import EngineClient, RequestChannel
+from kvserve.engine.core import EngineArgs
+from kvserve.engine.stream import OutputStream
+from kvserve.sched.req import SamplingParams
+from kvserve.sched.scheduler import ReqOutput
+from kvserve.server.metrics import ServerMetrics
+from kvserve.server.protocol import ApiError
+
+DISCONNECT_POLL_S = 0.05  # every in-flight request is checked this often
+_BodyT = TypeVar("_BodyT", bound=BaseModel)
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+
+
+@dataclass
+class ServerArgs:
+    """``kvserve serve`` options beyond the engine's (``EngineArgs``)."""
+
+    engine: EngineArgs = field(default_factory=EngineArgs)
+    host: str = "127.0.0.1"
+    port: int = 30000
+    api_key: str | None = None
+    served_model_name: str | None = None  # default: the checkpoint folder's name
+    enable_debug_endpoints: bool = False
+    max_request_bytes: int = 4 * 1024 * 1024  # larger bodies get 413
+    startup_timeout_s: float = 300.0
+
+
+@dataclass
+class Generation:
+    """One request in flight on the HTTP side."""
+
+    rid: str
+    channel: RequestChannel
+    stream: OutputStream
+    arrival: float
+    http: Request | None = None
+    last_token_at: float | None = None
+    disconnected: bool = False
+    logprobs_sent: int = 0  # streaming: tokens whose log-probabilities went out already
+
+
+def _reject_json_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+class Server:
+    """State shared by the endpoints: engine client, tokenizer, metrics, in-flight table."""
+
+    def __init__(self, args: ServerArgs) -> None:
+        self.args = args
+        self.client = EngineClient(args.engine, args.startup_timeout_s)
+        self.metrics = ServerMetrics(lambda: self.client.stats)
+        self.inflight: dict[str, Generation] = {}
+        self.tokenizer: Any = None
+        self.model_name = ""
+        self.context_len = 0
+        self._watcher: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        from transformers import AutoTokenizer
+
+        from kvserve.model.init import CHAT_TEMPLATE
+
+        await self.client.start()
+        path = self.client.info["model_path"]
+        self.tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        if not getattr(self.tokenizer, "chat_template", None):
+            self.tokenizer.chat_template = CHAT_TEMPLATE
+        self.model_name = self.args.served_model_name or path.rstrip("/").rsplit("/", 1)[-1]
+        self.context_len = int(self.client.info["context_len"])
+        self._watcher = asyncio.create_task(self._watch_disconnects())
+
+    def abort_inflight(self) -> None:
+        """Shutdown: abort every request in flight; its client still gets the end of
+        its reply (finish_reason "abort", then ``[DONE]`` when streaming)."""
+        for rid in list(self.inflight):
+            self.client.abort(rid)
+
+    async def stop(self) -> None:
+        if self._watcher is not None:
+            self._watcher.cancel()
+        await self.client.shutdown()
+
+    # -- request plumbing ------------------------------------------------------------------
+    async def read_body(self, request: Request, model: type[_BodyT]) -> _BodyT:
+        """The JSON body as ``model``; 413 over ``max_request_bytes``, 400 for bad
+        UTF-8, bad JSON or a body that does not fit the model."""
+        limit = self.args.max_request_bytes
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise ApiError(413, f"request body of {declared} bytes exceeds {limit} bytes")
+        data = bytearray()
+        async for piece in request.stream():
+            data += piece
+            if len(data) > limit:
+                raise ApiError(413, f"request body exceeds {limit} bytes")
+        try:
+            text = bytes(data).decode("utf-8")
+        except UnicodeDecodeError as err:
+            raise ApiError(400, f"request body is not valid UTF-8: {err.reason} at byte "
+                           f"{err.start}") from None
+        try:
+            obj = json.loads(text, parse_constant=_reject_json_constant)
+            if _SURROGATE_ESCAPE.search(text):  # a lone surrogate cannot become UTF-8 again
+                json.dumps(obj, ensure_ascii=False).encode()
+        except (ValueError, RecursionError) as err:  # UnicodeError is a ValueError
+            raise ApiError(400, f"request body is not valid JSON: {err}") from None
+        if not isinstance(obj, dict):
+            raise ApiError(400, "request body must be a JSON object")
+        try:
+            return model.model_validate(obj)
+        except ValidationError as err:
+            first = err.errors()[0]
+            where = ".".join(str(p) for p in first["loc"])
+            raise ApiError(400, f"{where}: {first['msg']} ({err.error_count()} error(s))",
+                           where or None) from None
+
+    def check_model(self, name: str) -> None:
+        if name not in (self.model_name, self.client.info["model_path"]):
+            raise ApiError(404, f"model {name!r} not found; this server serves "
+                           f"{self.model_name!r}", "model", kind="not_found_error")
+
+    def encode(self, prompt: str) -> list[int]:
+        if not prompt:
+            raise ApiError(400, "prompt must not be empty", "prompt")
+        return list(self.tokenizer.encode(prompt))
+
+    async def submit(self, http: Request | None, ids: list[int], sampling: SamplingParams,
+                     rid: str | None) -> Generation:
+        """Queue in the engine; the returned generation is watched for disconnects."""
+        rid = rid or uuid.uuid4().hex
+        if rid in self.inflight:
+            raise ApiError(400, f"duplicate request id {rid!r}", "rid")
+        arrival = time.perf_counter()
+        channel = await self.client.add(rid, ids, sampling)
+        gen = Generation(rid, channel, OutputStream(self.tokenizer, sampling.stop), arrival,
+                         http)
+        self.inflight[rid] = gen
+        return gen
+
+    async def outputs(self, gen: Generation) -> AsyncIterator[tuple[str, ReqOutput]]:
+        """(new text, output) per engine output until finished. Leaving early (client
+        gone, cancelled) aborts the request in the engine."""
+        try:
+            while not gen.stream.finished:
+                item = await gen.channel.queue.get()
+                delta = gen.stream.add(item)
+                assert isinstance(item, ReqOutput)  # add raised an exception item
+                self._observe(gen, len(item.new_token_ids))
+                yield delta, item
+        finally:
+            self.inflight.pop(gen.rid, None)
+            self.client.release(gen.rid)
+
+    async def final(self, gen: Generation) -> tuple[str, ReqOutput]:
+        last = None
+        async for _, last in self.outputs(gen):  # noqa: B007
+            pass
+        assert last is not None
+        return gen.stream.text.sent, last
+
+    def _observe(self, gen: Generation, new_tokens: int) -> None:
+        now = time.perf_counter()
+        if new_tokens:
+            if gen.last_token_at is None:
+                self.metrics.ttft.observe(now - gen.arrival)
+            else:
+                per_token = (now - gen.last_token_at) / new_tokens
+                for _ in range(new_tokens):
+                    self.metrics.itl.observe(per_token)
+            gen.last_token_at = now
+        if gen.stream.finished:
+            self.metrics.e2e.observe(now - gen.arrival)
+
+    async def _watch_disconnects(self) -> None:
+        while True:
+            await asyncio.sleep(DISCONNECT_POLL_S)
+            for gen in list(self.inflight.values()):
+                if gen.http is not None and not gen.disconnected and not gen.stream.finished \
+                        and await gen.http.is_disconnected():
+                    gen.disconnected = True
+                    self.client.abort(gen.rid)
