@@ -270,6 +270,6 @@ def decode_steady(batch: int = 256, prompt_len: int = 512, cached_tokens: int = 
         sched.step()
     assert len(sched.running) == batch and all(sched.stats.decode_step[start:])
     us = [s * 1e6 for s in sched.stats.sched_seconds[start:]]
-    engine.scheduler.checker.check(sched.reqs.values(), full=True)
+    sched.check()
     return SteadyResult(batch, cache.evictable_size(), percentile(us, 50),
                         percentile(us, 99))

@@ -25,8 +25,8 @@ from kvserve.engine.core import EngineArgs, EngineCore
 from kvserve.engine.messages import AbortReq, AddReq, Command, Event, Rejected, ShutdownReq
 from kvserve.engine.router import RequestRouter
 from kvserve.engine.stream import OutputStream
+from kvserve.sched.output import ReqOutput
 from kvserve.sched.req import RequestRejected, SamplingParams
-from kvserve.sched.scheduler import ReqOutput
 
 Outbox = queue.Queue[ReqOutput | Exception]  # one request's outputs, for its reader
 

@@ -40,8 +40,8 @@ from kvserve.engine.messages import (
 )
 from kvserve.engine.process import run_engine_process
 from kvserve.engine.router import RequestRouter
+from kvserve.sched.output import ReqOutput
 from kvserve.sched.req import QueueFull, RequestRejected, SamplingParams
-from kvserve.sched.scheduler import ReqOutput
 
 _WATCH_INTERVAL_S = 0.1  # how often the engine process's liveness is checked
 

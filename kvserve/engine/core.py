@@ -33,8 +33,11 @@ from kvserve.engine.messages import (
     RpcReq,
     ShutdownReq,
 )
+from kvserve.mem.pools import build_pools, default_pool_tokens
+from kvserve.sched.config import SchedulerConfig
+from kvserve.sched.output import ReqOutput
 from kvserve.sched.req import QueueFull, Req, RequestRejected
-from kvserve.sched.scheduler import ReqOutput, Scheduler, SchedulerConfig
+from kvserve.sched.scheduler import Scheduler
 
 _STOP_TAIL_TOKENS = 16  # at least this many tokens decoded to look for a stop string
 _STATS_INTERVAL_S = 0.1  # the loop emits an EngineStats at most this often while busy
@@ -84,23 +87,6 @@ class EngineArgs:
     disable_cuda_graph: bool = False
 
 
-def _default_pool_tokens(config: Any, device: str, dtype: torch.dtype, context_len: int,
-                         mem_fraction: float) -> int:
-    """KV pool size in tokens: on CUDA what ``mem_fraction`` of the device memory leaves
-    after the (already loaded) weights; on CPU four contexts, at least 65,536."""
-    if not device.startswith("cuda"):
-        return max(context_len * 4, 65536)
-    free, total = torch.cuda.mem_get_info()
-    budget = free - (1 - mem_fraction) * total
-    per_token = (config.num_layers * 2 * config.num_kv_heads * config.head_dim
-                 * torch.tensor([], dtype=dtype).element_size())
-    tokens = int(budget // per_token)
-    if tokens < context_len:
-        raise RuntimeError(f"only {tokens} KV tokens fit in {mem_fraction:.0%} of the device "
-                           f"memory; lower the context length or raise mem_fraction_static")
-    return tokens
-
-
 def leave_a_core_free(device: str) -> None:
     """On CPU, at most (cores - 1) torch threads unless OMP_NUM_THREADS says otherwise:
     intra-op threads spinning on every core starve whoever feeds the loop (the HTTP
@@ -121,7 +107,7 @@ class EngineCore:
 
         from kvserve.model.init import default_model_dir
         from kvserve.model.loader import load_model
-        from kvserve.model.runner import ModelRunner, make_pools
+        from kvserve.model.runner import ModelRunner
 
         model_path = args.model_path
         if model_path is None:
@@ -134,10 +120,11 @@ class EngineCore:
         dtype = dtype or (torch.bfloat16 if device.startswith("cuda") else torch.float32)
         model, config = load_model(model_path, device, dtype)
         context_len = args.context_len or min(config.max_position_embeddings, 8192)
-        max_total_tokens = args.max_total_tokens or _default_pool_tokens(
-            config, device, dtype, context_len, args.mem_fraction_static)
-        pools = make_pools(config, max_total_tokens, args.page_size, args.max_running_requests,
-                           context_len, device, dtype)
+        layout = config.kv_layout(dtype)
+        max_total_tokens = args.max_total_tokens or default_pool_tokens(
+            layout, device, context_len, args.mem_fraction_static)
+        pools = build_pools(args.max_running_requests, context_len, max_total_tokens,
+                            args.page_size, layout, device=device)
         self.runner = ModelRunner(model, config, pools, seed=args.seed,
                                   attention_backend=args.attention_backend,
                                   cuda_graph=False if args.disable_cuda_graph else None)
@@ -214,7 +201,7 @@ class EngineCore:
         """The full invariant check now, as JSON-ready numbers per pool; ``idle`` says
         whether the engine was idle (only then must every pool be at its total)."""
         sched = self.scheduler
-        report = sched.checker.check(sched.reqs.values(), sched.held_pages, full=True)
+        report = sched.check()
         alloc = sched.pools.allocator
         return {"ok": report.ok, "idle": sched.is_idle, "violations": report.violations,
                 "pools": report.pools, "kv_total_tokens": alloc.size,

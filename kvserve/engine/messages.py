@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
+from kvserve.sched.output import ReqOutput
 from kvserve.sched.req import SamplingParams
-from kvserve.sched.scheduler import ReqOutput
 
 
 # -- commands ------------------------------------------------------------------------------

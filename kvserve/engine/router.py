@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 from kvserve.engine.messages import Rejected, is_final
+from kvserve.sched.output import ReqOutput
 from kvserve.sched.req import RequestRejected
-from kvserve.sched.scheduler import ReqOutput
 
 ChannelT = TypeVar("ChannelT")
 

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvserve.detokenize import TextStream
-from kvserve.sched.scheduler import ReqOutput
+from kvserve.sched.output import ReqOutput
 
 
 class OutputStream:

@@ -20,14 +20,6 @@ from kvserve.model.loader import load_model
 from kvserve.model.sampler import sample
 
 
-def make_pools(config: ModelConfig, max_total_tokens: int, page_size: int, max_requests: int,
-               context_len: int, device: str | torch.device, dtype: torch.dtype) -> MemoryPools:
-    """``build_pools`` with KV buffers shaped for ``config`` (``max_total_tokens`` slots).
-    Kept for ``engine.py`` and ``benchmarks/gpu_bench.py`` until they call ``build_pools``."""
-    return build_pools(max_requests, context_len, max_total_tokens, page_size,
-                       config.kv_layout(dtype), device=device)
-
-
 class ModelRunner:
     """Runs a ``CausalLM`` over the paged KV pool and samples the next tokens.
 

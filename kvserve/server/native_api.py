@@ -17,8 +17,8 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
+from kvserve.sched.output import ReqOutput
 from kvserve.sched.req import SamplingParams
-from kvserve.sched.scheduler import ReqOutput
 from kvserve.server.http import (
     endpoint,
     error_response,

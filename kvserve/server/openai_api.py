@@ -10,7 +10,7 @@ from typing import Any, TypeVar
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from kvserve.sched.scheduler import ReqOutput
+from kvserve.sched.output import ReqOutput
 from kvserve.server.http import endpoint, server_of, sse, sse_with_errors, stream_response
 from kvserve.server.protocol import (
     ApiError,

@@ -24,8 +24,8 @@ from pydantic import BaseModel, ValidationError
 from kvserve.engine.client import EngineClient, RequestChannel
 from kvserve.engine.core import EngineArgs
 from kvserve.engine.stream import OutputStream
+from kvserve.sched.output import ReqOutput
 from kvserve.sched.req import SamplingParams
-from kvserve.sched.scheduler import ReqOutput
 from kvserve.server.metrics import ServerMetrics
 from kvserve.server.protocol import ApiError
 

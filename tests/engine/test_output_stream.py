@@ -10,8 +10,8 @@ import pytest
 
 from kvserve.engine.stream import OutputStream
 from kvserve.model.init import build_tokenizer
+from kvserve.sched.output import ReqOutput
 from kvserve.sched.req import FinishKind, FinishReason
-from kvserve.sched.scheduler import ReqOutput
 
 
 @pytest.fixture(scope="module")

@@ -8,8 +8,8 @@ import pytest
 
 from kvserve.engine.messages import Rejected
 from kvserve.engine.router import RequestRouter
+from kvserve.sched.output import ReqOutput
 from kvserve.sched.req import FinishKind, FinishReason, RequestRejected
-from kvserve.sched.scheduler import ReqOutput
 
 
 def _step(rid: str, token: int) -> ReqOutput:
