@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Generic, NamedTuple, Protocol, TypeVar
 
 from kvserve.mem.pages import ceil_page, num_pages, slot_ids
 from kvserve.mem.pools import MemoryPools
@@ -160,16 +160,20 @@ def alloc_for_extend(req: KVOwner, tree_cache: BasePrefixCache, extend_len: int)
     return _grow(kv, tree_cache, prefix_len + extend_len)
 
 
-class DecodeAlloc(NamedTuple):
+OwnerT = TypeVar("OwnerT", bound=KVOwner)
+
+
+class DecodeAlloc(NamedTuple, Generic[OwnerT]):
     """Result of ``alloc_for_decode``, in batch order of the requests that got a slot."""
 
     out_cache_loc: list[int]  # slot of position committed_len
     positions: list[int]  # committed_len
     rows: list[int]  # req_pool_idx
-    failed: list[KVOwner]  # requests that could not get a slot (nothing taken for them)
+    failed: list[OwnerT]  # requests that could not get a slot (nothing taken for them)
 
 
-def alloc_for_decode(reqs: Sequence[KVOwner], tree_cache: BasePrefixCache) -> DecodeAlloc:
+def alloc_for_decode(reqs: Sequence[OwnerT], tree_cache: BasePrefixCache
+                     ) -> DecodeAlloc[OwnerT]:
     """A slot for each request's next token (position ``committed_len``).
 
     Batch-level, like SGLang's: a new page only where the position starts one,
@@ -187,7 +191,7 @@ def alloc_for_decode(reqs: Sequence[KVOwner], tree_cache: BasePrefixCache) -> De
     positions: list[int] = []
     rows: list[int] = []
     flat: list[int] = []
-    failed: list[KVOwner] = []
+    failed: list[OwnerT] = []
     for req in reqs:
         kv = req.kv
         pos = kv.committed_len

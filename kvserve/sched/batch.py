@@ -49,7 +49,7 @@ class BatchBuilder:
         self.device = pools.req_to_token_pool.req_to_token.device
         self._batch_ids = itertools.count(1)
 
-    def decode(self, reqs: list[Req], decode: DecodeAlloc) -> ScheduleBatch:
+    def decode(self, reqs: list[Req], decode: DecodeAlloc[Req]) -> ScheduleBatch:
         """One token per request at position ``committed_len`` (the hot path)."""
         device = self.device
         n = len(reqs)

@@ -30,7 +30,7 @@ class DecodeWork(NamedTuple):
     """One decode step's requests (batch order) and, for plain decode, their slots."""
 
     reqs: list[Req]
-    slots: DecodeAlloc | None  # None with speculation: windows are in each ReqKV
+    slots: DecodeAlloc[Req] | None  # None with speculation: windows are in each ReqKV
 
 
 class DecodeManager:
@@ -64,7 +64,7 @@ class DecodeManager:
         slots = None
         if spec is None:
             slots = alloc_for_decode(running.reqs, self.tree_cache)
-            failed = [r for r in running if any(r is f for f in slots.failed)]
+            failed = slots.failed
         else:
             failed = [r for r in running
                       if not alloc_for_spec_decode(r, self.tree_cache, spec.reserve)]
