@@ -4,7 +4,8 @@
 #   bash benchmarks/compare_commits.sh OLD_CHECKOUT NEW_CHECKOUT [ROUNDS]
 # Each checkout is a work tree (git worktree add --detach /tmp/old <commit>); both run
 # with this project's .venv and PYTHONPATH pointing at the checkout. Output: one line
-# per run, prefixed with the checkout's commit.
+# per run, prefixed with the checkout's commit. REPLAY=0 skips the full-trace replay
+# (minutes per run; its counts are deterministic), for more rounds of the fast points.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=$PWD/.venv/bin/python
@@ -24,6 +25,8 @@ for _ in $(seq "$ROUNDS"); do
     done
     run "$dir" decode-steady --batch 256
     run "$dir" decode-steady --batch 256 --cached-tokens 100000
-    run "$dir" replay "$TRACE" --model scripted --no-progress
+    if [ "${REPLAY:-1}" != 0 ]; then
+      run "$dir" replay "$TRACE" --model scripted --no-progress
+    fi
   done
 done
