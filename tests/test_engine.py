@@ -101,6 +101,13 @@ def test_abort_from_another_thread_while_streaming(engine):
     ({"prompt": "a", "sampling_params": {"bogus": 1}}, "unknown sampling parameters"),
     ({"input_ids": [1] * 9000}, "context limit"),
     ({"prompt": ""}, "empty prompt"),
+    ({"prompt": "a", "sampling_params": {"stop": ["\ud800"]}}, "lone surrogates"),
+    ({"prompt": "a", "sampling_params": {"max_new_tokens": True}}, "max_new_tokens"),
+    ({"prompt": "a", "sampling_params": {"top_k": True}}, "top_k"),
+    ({"prompt": "a", "sampling_params": {"seed": False}}, "seed"),
+    ({"prompt": "a", "sampling_params": {"stop_token_ids": [True]}}, "stop_token_ids"),
+    ({"prompt": "a", "sampling_params": {"stop": {"a": 1}}}, "stop must be a string"),
+    ({"prompt": "a", "rid": ""}, "rid must be a non-empty string"),
 ])
 def test_bad_input_is_rejected_and_the_engine_keeps_serving(engine, kwargs, message):
     with pytest.raises(RequestRejected, match=message):
@@ -242,3 +249,31 @@ def test_hold_back_of_a_possible_stop_prefix():
 def test_booleans_are_not_token_ids(engine):
     with pytest.raises(RequestRejected):
         engine.generate(input_ids=[True, False])
+
+
+def test_generate_cuts_its_text_at_the_stop_string_like_the_stream(engine):
+    params = {"max_new_tokens": 40, "temperature": 0, "ignore_eos": True}
+    full = engine.generate(input_ids=[10, 11, 12], sampling_params=params).text
+    checked = 0
+    for start in range(2, 30, 3):
+        stop = full[start:start + 3]
+        if len(stop) < 3 or "\ufffd" in stop:
+            continue
+        cut = full[: full.index(stop)]
+        out = engine.generate(input_ids=[10, 11, 12], sampling_params={**params, "stop": [stop]})
+        chunks = list(engine.generate_stream(input_ids=[10, 11, 12],
+                                             sampling_params={**params, "stop": [stop]}))
+        assert out.finish_reason == "stop" and out.text == cut
+        assert "".join(c.delta for c in chunks) == chunks[-1].text == cut
+        checked += 1
+    assert checked >= 5
+    assert pools_full(engine)
+
+
+def test_automatic_rids_never_collide_with_a_callers_rid(engine):
+    stream = engine.generate_stream(input_ids=[5, 6, 7], rid="gen-0",
+                                    sampling_params={"max_new_tokens": 50, "ignore_eos": True})
+    next(stream)
+    out = engine.generate(input_ids=[5, 6, 7], sampling_params={"max_new_tokens": 2})
+    assert out.rid != "gen-0" and out.rid.startswith("gen-") and len(out.output_ids) == 2
+    stream.close()

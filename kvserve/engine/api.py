@@ -13,9 +13,9 @@ works while another thread reads a stream.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import queue
 import threading
+import uuid
 from collections.abc import Generator, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -63,6 +63,9 @@ def parse_sampling(params: SamplingParams | dict[str, Any] | None) -> SamplingPa
     for key in ("stop_token_ids", "stop"):
         if key in values:
             v = values[key]
+            if isinstance(v, dict | set):  # tuple() of these would keep keys / lose order
+                raise RequestRejected(f"{key} must be a string, an integer or a list, "
+                                      f"got {type(v).__name__}")
             values[key] = () if v is None else (v,) if isinstance(v, str | int) else tuple(v)
     sampling = SamplingParams(**values)
     sampling.validate()
@@ -84,7 +87,6 @@ class Engine:
         self._inbox: queue.Queue[Command] = queue.Queue()
         self.router: RequestRouter[Outbox] = RequestRouter()
         self._lock = threading.Lock()  # the router, between callers and the loop
-        self._rids = itertools.count()
         self._closed = False
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._loop, name="kvserve-engine", daemon=True)
@@ -104,7 +106,7 @@ class Engine:
         sampling = parse_sampling(sampling_params)
         opened = [self._submit(ids, sampling, rid if single else None) for ids in requests]
         try:
-            results = [self._collect(r, box) for r, box in opened]
+            results = [self._collect(r, box, sampling.stop) for r, box in opened]
         except Exception:
             for other, _ in opened:  # one was rejected: stop the rest instead of orphaning them
                 self._leave(other)
@@ -165,7 +167,10 @@ class Engine:
             raise RuntimeError("engine is shut down")
         if self._error is not None:
             raise RuntimeError(f"engine loop died: {self._error!r}")
-        rid = rid or f"gen-{next(self._rids)}"
+        if rid is None:
+            rid = f"gen-{uuid.uuid4().hex}"  # never equal to a rid a caller chose
+        elif not isinstance(rid, str) or not rid:
+            raise RequestRejected(f"rid must be a non-empty string, got {rid!r}")
         box: Outbox = queue.Queue()
         with self._lock:
             self.router.open(rid, box)
@@ -199,9 +204,9 @@ class Engine:
         if orphaned:
             self.abort(rid)
 
-    def _collect(self, rid: str, box: Outbox) -> GenerateOutput:
+    def _collect(self, rid: str, box: Outbox, stops: Sequence[str]) -> GenerateOutput:
         last = None
-        for last in self._stream(rid, box):  # noqa: B007
+        for last in self._stream(rid, box, stops):  # noqa: B007
             pass
         assert last is not None
         last.delta = ""

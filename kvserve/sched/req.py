@@ -60,23 +60,39 @@ class SamplingParams:
             raise RequestRejected(f"top_k must be at most 2**31 - 1, got {self.top_k}")
         if isinstance(self.seed, int) and self.seed > 2**63 - 1:
             raise RequestRejected(f"seed must be at most 2**63 - 1, got {self.seed}")
-        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 0:
+        if not _is_int(self.max_new_tokens) or self.max_new_tokens < 0:
             raise RequestRejected(f"max_new_tokens must be an integer >= 0, got "
                                   f"{self.max_new_tokens!r}")
-        if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
+        if not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
             raise RequestRejected("stop_token_ids must be non-negative integers")
         if not all(isinstance(s, str) and s for s in self.stop):
             raise RequestRejected("stop strings must be non-empty strings")
+        if not all(_encodes(s) for s in self.stop):  # matched on UTF-8 bytes in the step
+            raise RequestRejected("stop strings must be valid Unicode text (no lone "
+                                  "surrogates)")
         if not self.temperature >= 0:
             raise RequestRejected(f"temperature must be >= 0, got {self.temperature!r}")
         if not 0 < self.top_p <= 1:
             raise RequestRejected(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or (self.top_k < 1 and self.top_k != -1):
+        if not _is_int(self.top_k) or (self.top_k < 1 and self.top_k != -1):
             raise RequestRejected(f"top_k must be -1 or >= 1, got {self.top_k!r}")
         if not 0 <= self.min_p <= 1:
             raise RequestRejected(f"min_p must be in [0, 1], got {self.min_p!r}")
-        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
+        if self.seed is not None and (not _is_int(self.seed) or self.seed < 0):
             raise RequestRejected(f"seed must be a non-negative integer, got {self.seed!r}")
+
+
+def _is_int(value: object) -> bool:
+    """An int that is not a bool (JSON ``true`` is no token count)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _encodes(text: str) -> bool:
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 class FinishKind(enum.Enum):

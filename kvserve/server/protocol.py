@@ -21,6 +21,16 @@ MAX_COMPLETION_LOGPROBS = 1  # only the chosen token's log-probability is comput
 MAX_CHAT_TOP_LOGPROBS = 0
 
 
+
+def check_stop_limits(stops: list[Any]) -> None:
+    """At most ``MAX_STOP_STRINGS`` stop strings of at most ``MAX_STOP_CHARS`` characters
+    (each is matched after every token). Raises ApiError(400) naming ``stop``."""
+    if len(stops) > MAX_STOP_STRINGS:
+        raise ApiError(400, f"at most {MAX_STOP_STRINGS} stop strings, got {len(stops)}",
+                       "stop")
+    if any(isinstance(s, str) and len(s) > MAX_STOP_CHARS for s in stops):
+        raise ApiError(400, f"stop strings are at most {MAX_STOP_CHARS} characters", "stop")
+
 class ApiError(Exception):
     """An HTTP error with an OpenAI-shaped body."""
 
@@ -77,11 +87,7 @@ class OpenAIRequest(_Body):
             raise ApiError(400, "presence_penalty and frequency_penalty are not supported",
                            "presence_penalty" if self.presence_penalty else "frequency_penalty")
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        if len(stops) > MAX_STOP_STRINGS:
-            raise ApiError(400, f"at most {MAX_STOP_STRINGS} stop strings, got {len(stops)}",
-                           "stop")
-        if any(len(s) > MAX_STOP_CHARS for s in stops):
-            raise ApiError(400, f"stop strings are at most {MAX_STOP_CHARS} characters", "stop")
+        check_stop_limits(stops)
         limit = default_max if max_tokens is None else max_tokens
         if not 0 <= limit <= context_len:
             raise ApiError(400, f"max_tokens must be in [0, {context_len}] (the context "
@@ -173,9 +179,8 @@ class GenerateRequest(_Body):
         params = dict(self.sampling_params)
         params.setdefault("return_logprob", self.return_logprob)
         stop = params.get("stop")
-        if isinstance(stop, list) and len(stop) > MAX_STOP_STRINGS:
-            raise ApiError(400, f"at most {MAX_STOP_STRINGS} stop strings, got {len(stop)}",
-                           "stop")
+        check_stop_limits([stop] if isinstance(stop, str) else stop
+                          if isinstance(stop, list) else [])
         limit = params.get("max_new_tokens", 128)
         if isinstance(limit, int) and limit > context_len:
             raise ApiError(400, f"max_new_tokens must be at most {context_len} (the context "
