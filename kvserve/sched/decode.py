@@ -1,12 +1,14 @@
 """The decode side: the running batch, its memory check, retraction and decode slots.
 
-One decode step::
+One decode step (``schedule``)::
 
-    check_memory()   evict the step's page shortfall from the cache, else retract
-                     (SGLang's order: fewest output tokens first, then longest prompt)
-    allocate()       a slot per request (plain decode) or a speculative window each
+    _check_memory()     evict the step's page shortfall from the cache, else retract
+                        (SGLang's order: fewest output tokens first, then longest prompt)
+    alloc_for_decode    a slot per request (plain decode), or
+    alloc_for_spec_decode  a speculative window each
 
-``can_decode`` and the allocation count pages with one rule (``_pages_needed``).
+The memory check counts pages with the allocation's rule: plain decode takes a page
+where the next position starts one, speculation ``_pages_needed`` per request.
 """
 
 from __future__ import annotations

@@ -10,22 +10,10 @@ branch.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from typing import Protocol
 
+from kvserve.sched.invariants import TrackedQueue
 from kvserve.sched.req import Req
 from kvserve.sched.state import ReqState
-
-
-class ReqQueue(Protocol):
-    """What the checker reads of a queue: its name, the states its requests may be
-    in, and its requests."""
-
-    name: str
-    states: frozenset[ReqState]
-
-    def __iter__(self) -> Iterator[Req]: ...
-
-    def __len__(self) -> int: ...
 
 
 class ListQueue:
@@ -50,9 +38,6 @@ class ListQueue:
 
     def __bool__(self) -> bool:
         return bool(self.reqs)
-
-    def __contains__(self, req: object) -> bool:
-        return any(r is req for r in self.reqs)
 
     def append(self, req: Req) -> None:
         self.reqs.append(req)
@@ -99,19 +84,12 @@ class QueueRegistry:
     Raises ValueError for a second queue of the same name."""
 
     def __init__(self) -> None:
-        self._queues: dict[str, ReqQueue] = {}
+        self._queues: dict[str, TrackedQueue] = {}
 
-    def register(self, queue: ReqQueue) -> None:
+    def register(self, queue: TrackedQueue) -> None:
         if queue.name in self._queues:
             raise ValueError(f"a queue named {queue.name!r} is already registered")
         self._queues[queue.name] = queue
 
-    def __iter__(self) -> Iterator[ReqQueue]:
+    def __iter__(self) -> Iterator[TrackedQueue]:
         return iter(self._queues.values())
-
-    def __getitem__(self, name: str) -> ReqQueue:
-        return self._queues[name]
-
-    def sizes(self) -> dict[str, int]:
-        """Requests per queue, by name (for stats and check reports)."""
-        return {name: len(queue) for name, queue in self._queues.items()}
