@@ -178,7 +178,9 @@ class Engine:
         return rid, box
 
     def _stream(self, rid: str, box: Outbox,
-                stops: Sequence[str] = ()) -> Iterator[GenerateOutput]:
+                stops: Sequence[str]) -> Iterator[GenerateOutput]:
+        """``rid``'s outputs as ``GenerateOutput``s; ``stops`` must be the request's own
+        stop strings (the text is cut exactly at the one that finished it)."""
         stream = OutputStream(self.tokenizer, stops)
         text = stream.text
         try:

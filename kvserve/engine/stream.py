@@ -18,7 +18,7 @@ class OutputStream:
     """The visible text of one request (``TextStream``: complete UTF-8, stop strings
     held back while running and cut exactly at the finish) and whether it ended."""
 
-    def __init__(self, tokenizer: Any, stops: Sequence[str] = ()) -> None:
+    def __init__(self, tokenizer: Any, stops: Sequence[str]) -> None:
         self.text = TextStream(tokenizer, stops)
         self.finished = False  # the final output (or an error) was taken
 

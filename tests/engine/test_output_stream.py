@@ -33,7 +33,7 @@ def test_deltas_hold_back_a_possible_stop_and_the_final_cuts_at_it(tokenizer: An
 
 
 def test_an_error_item_ends_the_stream_and_is_raised(tokenizer: Any):
-    stream = OutputStream(tokenizer)
+    stream = OutputStream(tokenizer, ())
     assert stream.add(_out(tokenizer.encode("hi"))) == "hi"
     with pytest.raises(RuntimeError, match=r"^gone$"):
         stream.add(RuntimeError("gone"))
