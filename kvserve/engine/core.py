@@ -105,15 +105,14 @@ class EngineCore:
     def __init__(self, args: EngineArgs) -> None:
         from transformers import AutoTokenizer
 
-        from kvserve.model.init import default_model_dir
         from kvserve.model.loader import load_model
         from kvserve.model.runner import ModelRunner
+        from kvserve.model.source import resolve_model
 
-        model_path = args.model_path
-        if model_path is None:
-            model_path = default_model_dir()
-            print(f"kvserve: using the tiny default model at {model_path} "
-                  "(random weights: the text it writes is meaningless)", file=sys.stderr)
+        self.model = resolve_model(args.model_path)
+        model_path = self.model.path
+        if self.model.note:
+            print(f"kvserve: {self.model.note}", file=sys.stderr)
         device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
         leave_a_core_free(device)
         dtype = getattr(torch, args.dtype) if isinstance(args.dtype, str) else args.dtype
@@ -189,7 +188,9 @@ class EngineCore:
             return True
         if method == "info":
             alloc = self.scheduler.pools.allocator
-            return {"model_path": self.model_path, "context_len": self.context_len,
+            return {"model_path": self.model_path, "model_name": self.model.name,
+                    "random_weights": self.model.random_weights,
+                    "model_source": self.model.source, "context_len": self.context_len,
                     "model_type": self.runner.config.hf_config.model_type,
                     "architectures": [self.runner.config.architecture],
                     "max_total_num_tokens": alloc.size, "page_size": alloc.page_size,

@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from kvserve.model.source import RANDOM_WEIGHTS_KEY
+
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 TINY_VOCAB = 512
 
@@ -141,6 +143,7 @@ def init_model(out_dir: str | Path, shape_name: str, seed: int = 0,
     eos_id = tokenizer.convert_tokens_to_ids("<|endoftext|>")
     config = hf_config(shape_name, eos_token_id=eos_id)
     config.dtype = str(dtype).replace("torch.", "")
+    setattr(config, RANDOM_WEIGHTS_KEY, True)
     config.save_pretrained(out)
     tokenizer.save_pretrained(out)
     state = random_state_dict(shape_name, seed, dtype)

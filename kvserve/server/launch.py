@@ -100,24 +100,21 @@ def serve(args: argparse.Namespace) -> int:
         print(f"kvserve serve needs the server extras ({err.name} is missing): "
               "pip install 'kvserve[server]'", file=sys.stderr)
         return 2
-    from kvserve.model.init import default_model_dir
-
-    model = args.model
-    if model is None:
-        model = str(default_model_dir())
-        print(f"kvserve: no --model; serving the tiny default at {model} (random weights: "
-              "the text it writes is meaningless)", file=sys.stderr)
     from kvserve.model.config import ModelLoadError
     from kvserve.model.loader import load_config
+    from kvserve.model.source import resolve_model
 
     try:
-        load_config(model)  # a bad folder is a message here, not a traceback at startup
+        resolved = resolve_model(args.model)
+        load_config(resolved.path)  # a bad folder is a message here, not a traceback
     except ModelLoadError as err:
         print(f"kvserve: cannot load model: {err}", file=sys.stderr)
         return 2
+    if resolved.note:
+        print(f"kvserve: {resolved.note}", file=sys.stderr)
     chunk = args.chunked_prefill_size if args.chunked_prefill_size > 0 else None
     engine = EngineArgs(
-        model_path=model, page_size=args.page_size, chunked_prefill_size=chunk,
+        model_path=args.model, page_size=args.page_size, chunked_prefill_size=chunk,
         max_total_tokens=args.max_total_tokens, context_len=args.context_length,
         disable_radix_cache=args.disable_radix_cache, device=args.device, dtype=args.dtype,
         max_running_requests=args.max_running_requests,
@@ -131,7 +128,7 @@ def serve(args: argparse.Namespace) -> int:
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=_GRACE_S, access_log=False)
     server = _uvicorn_server(config, app.state.server.abort_inflight)
-    print(f"kvserve: serving {model} on http://{args.host}:{args.port}", file=sys.stderr,
+    print(f"kvserve: serving {resolved.source} on http://{args.host}:{args.port}", file=sys.stderr,
           flush=True)
     # uvicorn re-raises a captured SIGINT/SIGTERM after its graceful shutdown, into the
     # handlers found at start: make those no-ops so a signalled stop exits with 0.

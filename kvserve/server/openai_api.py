@@ -174,4 +174,5 @@ async def models(request: Request) -> Response:
     srv = server_of(request)
     return JSONResponse({"object": "list", "data": [{
         "id": srv.model_name, "object": "model", "created": 0, "owned_by": "kvserve",
-        "root": srv.client.info["model_path"], "max_model_len": srv.context_len}]})
+        "root": srv.client.info["model_path"], "max_model_len": srv.context_len,
+        "random_weights": srv.client.info["random_weights"]}]})

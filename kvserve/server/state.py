@@ -89,7 +89,7 @@ class Server:
         self.tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
         if not getattr(self.tokenizer, "chat_template", None):
             self.tokenizer.chat_template = CHAT_TEMPLATE
-        self.model_name = self.args.served_model_name or path.rstrip("/").rsplit("/", 1)[-1]
+        self.model_name = self.args.served_model_name or self.client.info["model_name"]
         self.context_len = int(self.client.info["context_len"])
         self._watcher = asyncio.create_task(self._watch_disconnects())
 
