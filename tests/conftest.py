@@ -1,5 +1,10 @@
 import os
 
+# The Triton kernel runs under the interpreter on CPU; triton reads this when a kernel
+# module is imported, so it must be set before any test file imports one (whatever the
+# order pytest collects them in).
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
 from hypothesis import HealthCheck, settings
 
 # CI: reproducible examples, no per-example deadline (2-core machines vary).
