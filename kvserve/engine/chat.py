@@ -16,8 +16,13 @@ def chat_prompt_ids(tokenizer: Any, messages: Sequence[Mapping[str, str]]) -> li
     as vLLM and SGLang build a chat request's prompt (``apply_chat_template`` with
     ``add_generation_prompt=True``, then encoded without adding special tokens again:
     the template writes them). A tokenizer without a template gets kvserve's ChatML
-    one (``kvserve.model.init.CHAT_TEMPLATE``). Raises ValueError (one line) when the
-    messages do not fit the template."""
+    one (``kvserve.model.init.CHAT_TEMPLATE``). Raises ValueError (one line) for no
+    messages, a message that is not such a dict of strings, or messages the template
+    refuses."""
+    if not messages or not all(isinstance(m, Mapping) and isinstance(m.get("role"), str)
+                               and isinstance(m.get("content"), str) for m in messages):
+        raise ValueError('messages must be a non-empty list of {"role": str, "content": '
+                         'str} objects')
     template = getattr(tokenizer, "chat_template", None)
     if not template:
         from kvserve.model.init import CHAT_TEMPLATE

@@ -5,6 +5,7 @@ requests and the ``model_name`` label on every series."""
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import Any
 
 from tests.server.conftest import MODEL_NAME, LiveServer
@@ -126,3 +127,20 @@ def test_every_series_has_the_model_name_label(server: LiveServer) -> None:
     unlabelled = [line for line in lines if f'model_name="{MODEL_NAME}"' not in line]
     assert not unlabelled, unlabelled
     assert "# TYPE kvserve:generation_tokens_total counter" in text
+
+
+def test_chat_route_builds_the_prompt_with_chat_prompt_ids(server: LiveServer,
+                                                            model_dir: Path) -> None:
+    from transformers import AutoTokenizer
+
+    from kvserve.engine.chat import chat_prompt_ids
+
+    messages = [{"role": "system", "content": "Be brief."},
+                {"role": "user", "content": "hi there"}]
+    ids = chat_prompt_ids(AutoTokenizer.from_pretrained(model_dir), messages)
+    chat = server.post(CHAT, json={**_chat(max_tokens=4, ignore_eos=True),
+                                   "messages": messages}).json()
+    r = server.post("/generate", json={"input_ids": ids, "sampling_params": {
+        **GREEDY, "max_new_tokens": 4, "ignore_eos": True}}).json()
+    assert chat["usage"]["prompt_tokens"] == len(ids) == r["meta_info"]["prompt_tokens"]
+    assert chat["choices"][0]["message"]["content"] == r["text"]
