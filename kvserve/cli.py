@@ -48,10 +48,23 @@ def _device(text: str) -> str:
     return text
 
 
+def _version() -> str:
+    """The installed package's version (its metadata); the source's when not installed."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("kvserve")
+    except PackageNotFoundError:
+        from kvserve import __version__
+
+        return __version__
+
+
 def build_parser() -> argparse.ArgumentParser:
     from kvserve.server.launch import add_serve_parser
 
     parser = argparse.ArgumentParser(prog="kvserve", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"kvserve {_version()}")
     commands = parser.add_subparsers(dest="command", required=True)
     _add_bench_parser(commands)
     _add_init_model_parser(commands)
@@ -174,9 +187,13 @@ def _add_init_model_parser(commands: Subcommands) -> None:
 def _add_generate_parser(commands: Subcommands) -> None:
     gen = commands.add_parser(
         "generate", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-        help="print the completion of a prompt",
+        help="print the completion of a prompt (or, with --chat, the reply to it)",
     )
-    gen.add_argument("prompt", help="prompt text")
+    gen.add_argument("prompt", help="prompt text (with --chat: the user's message)")
+    gen.add_argument("--chat", action="store_true",
+                     help="send PROMPT as a user message through the model's chat template")
+    gen.add_argument("--system", default=None,
+                     help="with --chat: a system message before the user's")
     gen.add_argument("--model", help="HF checkpoint folder; without it, a tiny random-weight "
                      "default model")
     gen.add_argument("--max-new-tokens", type=_non_negative, default=32,
@@ -214,16 +231,26 @@ def _generate(args: argparse.Namespace) -> int:
     from kvserve.model.config import ModelLoadError
     from kvserve.sched.req import RequestRejected
 
+    if args.system is not None and not args.chat:
+        print("kvserve: --system needs --chat", file=sys.stderr)
+        return 2
+    sampling = {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
+                "seed": args.seed}
     try:
         with Engine(model_path=args.model, device=args.device,
                     attention_backend=args.attention_backend) as engine:
-            out = engine.generate(prompt=args.prompt, sampling_params={
-                "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
-                "seed": args.seed})
+            if args.chat:
+                system = [] if args.system is None else [
+                    {"role": "system", "content": args.system}]
+                out = engine.chat([*system, {"role": "user", "content": args.prompt}],
+                                  sampling)
+            else:
+                single = engine.generate(prompt=args.prompt, sampling_params=sampling)
+                assert not isinstance(single, list)
+                out = single
     except (ModelLoadError, RequestRejected, ValueError) as err:
         print(f"kvserve: {err}", file=sys.stderr)
         return 2
-    assert not isinstance(out, list)
     print(out.text)
     print(f"[{out.finish_reason}; prompt_tokens={out.prompt_tokens} "
           f"completion_tokens={out.completion_tokens} cached_tokens={out.cached_tokens}]",

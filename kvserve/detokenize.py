@@ -63,13 +63,25 @@ def hold_back_stop_prefix(text: str, stops: Sequence[str]) -> str:
     return text[:keep]
 
 
+def _cut_at_stop(tokenizer: Any, ids: list[int], text: str, stop: str) -> str:
+    """``text`` (all of ``ids`` decoded) cut before the ``stop`` that the last token
+    completed (the engine finishes on that token). An earlier whole occurrence is
+    kept: it was output while min_new_tokens held stops off."""
+    before = len(str(tokenizer.decode(ids[:-1], skip_special_tokens=True)))
+    cut = text.find(stop, max(before - len(stop) + 1, 0))
+    if cut < 0:  # the decodes disagree at the edge: the first occurrence, as before
+        cut = text.find(stop)
+    return text[:cut] if cut >= 0 else text
+
+
 class TextStream:
     """The visible text of one request's output, step by step.
 
     While running: complete UTF-8 characters only, less a tail that could start a
-    stop string. At finish: the whole output decoded once and cut exactly before the
-    stop string that ended it (``matched_stop``). Every call returns the text new
-    since the previous one; what was sent is always a prefix of the final text.
+    stop string. At finish: the whole output decoded and cut exactly before the stop
+    string that ended it (``matched_stop``, the occurrence its last token completed).
+    Every call returns the text new since the previous one; what was sent is always a
+    prefix of the final text.
     """
 
     def __init__(self, tokenizer: Any, stops: Sequence[str] = ()) -> None:
@@ -86,8 +98,7 @@ class TextStream:
         if finished:
             visible = str(self.tokenizer.decode(self.ids, skip_special_tokens=True))
             if matched_stop:
-                cut = visible.find(matched_stop)
-                visible = visible[:cut] if cut >= 0 else visible
+                visible = _cut_at_stop(self.tokenizer, self.ids, visible, matched_stop)
         else:
             self.detok.add(new_ids)
             visible = hold_back_stop_prefix(self.detok.text, self.stops)

@@ -56,6 +56,9 @@ class ForwardBatch:
     sample: torch.Tensor  # [batch] bool: does request i get a token this step
     speculative: bool = False
     sampling: SamplingBatch | None = None  # set when the model samples (real runner)
+    # int64 [batch, max_banned], -1 padded: token ids request i must not produce as its
+    # next token (its stop ids while below min_new_tokens); None when no row bans any
+    banned_token_ids: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:

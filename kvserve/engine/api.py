@@ -4,6 +4,7 @@
     with Engine(model_path="/path/to/hf-checkpoint") as engine:
         out = engine.generate(prompt="Hello", sampling_params={"max_new_tokens": 16})
         print(out.text, out.finish_reason)
+        reply = engine.chat([{"role": "user", "content": "Hi!"}])  # the chat template
 
 Callers' threads put commands in an inbox queue; the loop's thread routes each
 request's events to the caller's queue through a ``RequestRouter``, so ``abort``
@@ -16,11 +17,12 @@ import dataclasses
 import queue
 import threading
 import uuid
-from collections.abc import Generator, Iterator, Sequence
+from collections.abc import Generator, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvserve.engine.chat import chat_prompt_ids
 from kvserve.engine.core import EngineArgs, EngineCore
 from kvserve.engine.messages import AbortReq, AddReq, Command, Event, Rejected, ShutdownReq
 from kvserve.engine.router import RequestRouter
@@ -128,6 +130,23 @@ class Engine:
         sampling = parse_sampling(sampling_params)
         rid, box = self._submit(requests[0], sampling, rid)
         yield from self._stream(rid, box, sampling.stop)
+
+    def chat(
+        self,
+        messages: Sequence[Mapping[str, str]],
+        sampling_params: SamplingParams | dict[str, Any] | None = None,
+        rid: str | None = None,
+    ) -> GenerateOutput:
+        """One chat turn: ``messages`` (``{"role", "content"}`` dicts) through the model's
+        chat template (``chat_prompt_ids``, the prompt ``/v1/chat/completions`` builds),
+        run to completion. Raises RequestRejected for messages the template refuses."""
+        try:
+            ids = chat_prompt_ids(self.tokenizer, messages)
+        except ValueError as err:
+            raise RequestRejected(str(err)) from None
+        out = self.generate(input_ids=ids, sampling_params=sampling_params, rid=rid)
+        assert isinstance(out, GenerateOutput)
+        return out
 
     def abort(self, rid: str) -> None:
         """Abort a request at any stage (no-op for an unknown or finished rid)."""

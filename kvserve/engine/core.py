@@ -219,7 +219,7 @@ class EngineCore:
             time.time(), len(sched.running) + (sched.chunked_req is not None),
             len(sched.waiting), alloc.size - alloc.available_size() - cached, cached,
             alloc.size, s.prompt_tokens, s.cached_tokens, s.retractions, s.aborts, s.finished,
-            self.queue_full, s.checker_runs, s.violations)
+            self.queue_full, s.checker_runs, s.violations, sched.results.generated_tokens)
 
     def abort_all(self, message: str) -> list[ReqOutput]:
         """Shutdown: release every live request through the scheduler's exit path."""
@@ -277,9 +277,17 @@ class EngineCore:
         # in bytes (+2 for characters cut at its edges), or a long stop is never seen
         longest = max(len(s.encode()) for s in req.sampling.stop)
         tail_tokens = max(_STOP_TAIL_TOKENS, longest + 2)
-        tail = str(self.tokenizer.decode(req.output_ids[-tail_tokens:],
-                                         skip_special_tokens=True))
-        return next((s for s in req.sampling.stop if s in tail), None)
+        tail_ids = req.output_ids[-tail_tokens:]
+        tail = self._decode(tail_ids)
+        # min_new_tokens: a stop string completed within the first min_new_tokens - 1
+        # tokens (stops were off) never ends the request; it must end after their text
+        quiet = req.sampling.min_new_tokens - 1 - (len(req.output_ids) - len(tail_ids))
+        start = len(self._decode(tail_ids[:quiet])) if quiet > 0 else 0
+        return next((s for s in req.sampling.stop
+                     if tail.find(s, max(start - len(s) + 1, 0)) >= 0), None)
+
+    def _decode(self, ids: list[int]) -> str:
+        return str(self.tokenizer.decode(ids, skip_special_tokens=True))
 
 
 __all__ = ["EngineArgs", "EngineCore", "leave_a_core_free"]

@@ -93,6 +93,7 @@ class EngineStats(NamedTuple):
     queue_full: int  # requests refused by max_queued_requests
     checker_runs: int
     violations: int
+    generation_tokens: int  # tokens appended to outputs (any request, any finish)
 
 
 Event = ReqOutput | Accepted | Rejected | Reply | EngineStats

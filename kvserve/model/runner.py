@@ -17,7 +17,7 @@ from kvserve.model.attention_backend import (
 from kvserve.model.config import ModelConfig
 from kvserve.model.layers import CausalLM
 from kvserve.model.loader import load_model
-from kvserve.model.sampler import sample
+from kvserve.model.sampler import ban_tokens, sample
 
 
 class ModelRunner:
@@ -88,12 +88,14 @@ class ModelRunner:
         self.last_logits = logits
         params = batch.sampling
         logprobs: list[list[float]] | None = None
+        picked = sample_mask.cpu()
+        banned = batch.banned_token_ids
+        allowed = ban_tokens(logits, None if banned is None else banned[picked])
         if params is None:
-            tokens = logits.argmax(dim=-1)
+            tokens = allowed.argmax(dim=-1)
         else:
-            picked = sample_mask.cpu()
             sub = type(params)(*(getattr(params, f)[picked] for f in params.__dataclass_fields__))
-            tokens = sample(logits, sub, batch.seq_lens[picked].long(), self.generator)
+            tokens = sample(allowed, sub, batch.seq_lens[picked].long(), self.generator)
             if bool(sub.return_logprob.any()):
                 chosen = logits.log_softmax(dim=-1).gather(1, tokens[:, None])[:, 0].tolist()
                 logprobs = [[] for _ in range(batch.batch_size)]

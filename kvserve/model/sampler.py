@@ -39,6 +39,22 @@ def hash_uniform(seed: torch.Tensor, position: torch.Tensor, vocab: int) -> torc
     return (_shr(x, 11).to(torch.float64) + 0.5) / float(1 << 53)
 
 
+def ban_tokens(logits: torch.Tensor, banned_token_ids: torch.Tensor | None) -> torch.Tensor:
+    """``logits`` (float32 [batch, vocab]) with the banned ids of each row set to -inf, so
+    greedy and sampling both pick the best allowed token (min_new_tokens masks EOS and
+    stop ids this way). ``banned_token_ids``: int64 [batch, max_banned], -1 padded, or
+    None (``logits`` returned as is). A new tensor: the caller's logits stay unmasked."""
+    if banned_token_ids is None:
+        return logits
+    vocab = logits.shape[-1]
+    ids = banned_token_ids.to(logits.device)
+    # padding goes to an extra column that is dropped: one scatter, no host sync
+    ids = torch.where(ids < 0, vocab, ids)
+    mask = torch.zeros(logits.shape[0], vocab + 1, dtype=torch.bool, device=logits.device)
+    mask.scatter_(1, ids, True)
+    return logits.masked_fill(mask[:, :vocab], float("-inf"))
+
+
 def sample(logits: torch.Tensor, params: SamplingBatch, positions: torch.Tensor,
            generator: torch.Generator | None = None) -> torch.Tensor:
     """Next token per row. ``logits``: float32 [batch, vocab]; ``positions``: int64 [batch],

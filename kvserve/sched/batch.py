@@ -72,6 +72,7 @@ class BatchBuilder:
             extend_lens=torch.ones(n, dtype=torch.int32, device=device),
             sample=torch.ones(n, dtype=torch.bool, device=device),
             sampling=self._sampling_batch(reqs),
+            banned_token_ids=self._banned_token_ids(reqs),
         )
         return ScheduleBatch(batch_id, ForwardMode.DECODE, reqs, forward)
 
@@ -132,8 +133,23 @@ class BatchBuilder:
             sample=torch.tensor(sample, dtype=torch.bool, device=device),
             speculative=mode is ForwardMode.DECODE and spec is not None,
             sampling=self._sampling_batch(reqs),
+            banned_token_ids=self._banned_token_ids(reqs),
         )
         return ScheduleBatch(batch_id, mode, reqs, forward)
+
+    def _banned_token_ids(self, reqs: list[Req]) -> torch.Tensor | None:
+        """``ForwardBatch.banned_token_ids``: the stop ids of each request whose output is
+        still below ``min_new_tokens`` (SGLang's min-new-tokens penalizer, vLLM's
+        MinTokensLogitsProcessor); None, and no tensor built, when no row needs one."""
+        banned = {i: r.stop_ids for i, r in enumerate(reqs)
+                  if r.stop_ids and len(r.output_ids) < r.sampling.min_new_tokens}
+        if not banned:
+            return None
+        width = max(len(ids) for ids in banned.values())
+        table = [[-1] * width for _ in reqs]
+        for i, ids in banned.items():
+            table[i][: len(ids)] = sorted(ids)
+        return torch.tensor(table, dtype=torch.int64, device=self.device)
 
     def _sampling_batch(self, reqs: list[Req]) -> SamplingBatch | None:
         if not self.with_sampling:

@@ -45,7 +45,9 @@ class ResultProcessor:
     """Applies a ``ModelOutput`` to its batch's requests.
 
     ``stop_string_matcher(req)`` returns the stop string ``req``'s output now ends
-    with, if any; the engine sets it (it owns the tokenizer).
+    with, if any; the engine sets it (it owns the tokenizer). ``generated_tokens``
+    counts the tokens appended to outputs (the ones a reply shows; tokens past a finish
+    are not), for the generation-tokens counter (vLLM's ``generation_tokens_total``).
     """
 
     def __init__(self, config: SchedulerConfig, tree_cache: BasePrefixCache,
@@ -56,6 +58,7 @@ class ResultProcessor:
         self.exits = exits
         self.outputs = outputs
         self.stop_string_matcher: Callable[[Req], str | None] | None = None
+        self.generated_tokens = 0
 
     def process(self, batch: ScheduleBatch, result: ModelOutput) -> None:
         """Raises ValueError when the model's result does not fit the batch."""
@@ -86,6 +89,7 @@ class ResultProcessor:
     def _process_decode(self, reqs: list[Req], results: list[list[int]]) -> None:
         """One token per request (the hot path): commit its input's KV, append it."""
         outputs = self.outputs
+        fast = 0  # tokens appended on the fast path (the others count in _append_tokens)
         for req, tokens in zip(reqs, results, strict=True):
             if req.to_finish is not None:
                 self.exits.finish(req, req.to_finish, insert=True)
@@ -104,8 +108,10 @@ class ResultProcessor:
                 commit_kv(req, 1)  # raises: no slot was allocated for this token
             kv.committed_len += 1
             out.append(token)
+            fast += 1
             outputs.append(new_output(ReqOutput, (req.rid, tokens, None, req.prompt_len,
                                                   req.cached_tokens, len(out), None)))
+        self.generated_tokens += fast
 
     def _process_extend(self, req: Req, tokens: list[int]) -> None:
         commit_kv(req, req.extend_len)
@@ -133,6 +139,7 @@ class ResultProcessor:
             reason = self._finish_reason(req, token)
             if reason is not None:
                 break
+        self.generated_tokens += len(kept)
         if commit:
             commit_kv(req, len(kept))
         if reason is not None:
@@ -145,12 +152,14 @@ class ResultProcessor:
     def _finish_reason(self, req: Req, token: int) -> FinishReason | None:
         """Why ``req`` finishes now that ``token`` was appended to its output, if it does."""
         sampling = req.sampling
-        if token in req.stop_ids:
-            return FinishReason(FinishKind.STOP, matched_token=token)
-        if sampling.stop and self.stop_string_matcher is not None:
-            matched = self.stop_string_matcher(req)
-            if matched is not None:
-                return FinishReason(FinishKind.STOP, matched_stop=matched)
+        # below min_new_tokens only the length limits end a request (SGLang's check_finished)
+        if len(req.output_ids) >= sampling.min_new_tokens:
+            if token in req.stop_ids:
+                return FinishReason(FinishKind.STOP, matched_token=token)
+            if sampling.stop and self.stop_string_matcher is not None:
+                matched = self.stop_string_matcher(req)
+                if matched is not None:
+                    return FinishReason(FinishKind.STOP, matched_stop=matched)
         if len(req.output_ids) >= sampling.max_new_tokens:
             return FinishReason(FinishKind.LENGTH)
         if req.seq_len >= self.config.context_len:

@@ -26,10 +26,13 @@ class SamplingParams:
     """Stopping limits the scheduler enforces (sampling itself lives in the model runner).
 
     ``max_new_tokens=0`` runs the prefill only (warms the prefix cache) and returns
-    no tokens.
+    no tokens. ``min_new_tokens`` (SGLang's name; vLLM's ``min_tokens``): until the
+    output holds that many tokens, EOS and ``stop_token_ids`` are masked out of the
+    logits and no stop (token or string) ends the request; only the length limits do.
     """
 
     max_new_tokens: int = 128
+    min_new_tokens: int = 0
     stop_token_ids: tuple[int, ...] = ()
     stop: tuple[str, ...] = ()  # stop strings, matched by the engine on a tail decode
     ignore_eos: bool = False
@@ -63,6 +66,12 @@ class SamplingParams:
         if not _is_int(self.max_new_tokens) or self.max_new_tokens < 0:
             raise RequestRejected(f"max_new_tokens must be an integer >= 0, got "
                                   f"{self.max_new_tokens!r}")
+        if not _is_int(self.min_new_tokens) or self.min_new_tokens < 0:
+            raise RequestRejected(f"min_new_tokens must be an integer >= 0, got "
+                                  f"{self.min_new_tokens!r}")
+        if self.min_new_tokens > self.max_new_tokens:
+            raise RequestRejected(f"min_new_tokens ({self.min_new_tokens}) must be at most "
+                                  f"max_new_tokens ({self.max_new_tokens})")
         if not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
             raise RequestRejected("stop_token_ids must be non-negative integers")
         if not all(isinstance(s, str) and s for s in self.stop):

@@ -59,7 +59,7 @@ def endpoint(handler: Handler) -> Handler:
             return await handler(request)
         except Exception as err:
             error = api_error(err)
-            server_of(request).metrics.http_errors.labels(str(error.status)).inc()
+            server_of(request).metrics.count_error(error.status)
             return error_response(error)
     wrapped.__name__ = handler.__name__
     return wrapped

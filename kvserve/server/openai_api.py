@@ -10,6 +10,7 @@ from typing import Any, TypeVar
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
+from kvserve.engine.chat import chat_prompt_ids
 from kvserve.sched.output import ReqOutput
 from kvserve.server.http import endpoint, server_of, sse, sse_with_errors, stream_response
 from kvserve.server.protocol import (
@@ -134,12 +135,9 @@ async def chat_completions(request: Request) -> Response:
     srv, body = await _read_request(request, ChatCompletionRequest)
     messages = [{"role": m.role, "content": m.text()} for m in body.messages]
     try:
-        rendered = srv.tokenizer.apply_chat_template(messages, tokenize=False,
-                                                     add_generation_prompt=True)
-    except Exception as err:
-        raise ApiError(400, f"messages do not fit the chat template: {err}",
-                       "messages") from None
-    ids = list(srv.tokenizer.encode(str(rendered), add_special_tokens=False))
+        ids = chat_prompt_ids(srv.tokenizer, messages)
+    except ValueError as err:
+        raise ApiError(400, str(err), "messages") from None
     sampling = body.sampling(body.max_new_tokens, srv.context_len, srv.context_len,
                              body.logprobs)
     gen = await srv.submit(request, ids, sampling, body.rid)

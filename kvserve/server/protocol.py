@@ -73,6 +73,7 @@ class OpenAIRequest(_Body):
     stop_token_ids: list[int] | None = None
     seed: int | None = None
     ignore_eos: bool = False
+    min_tokens: int = 0  # vLLM's extension: SamplingParams.min_new_tokens
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     rid: str | None = None  # kvserve/SGLang extension: the request id (abort_request)
@@ -92,12 +93,16 @@ class OpenAIRequest(_Body):
         if not 0 <= limit <= context_len:
             raise ApiError(400, f"max_tokens must be in [0, {context_len}] (the context "
                            f"length), got {limit}", "max_tokens")
+        if not 0 <= self.min_tokens <= limit:
+            raise ApiError(400, f"min_tokens must be in [0, {limit}] (max_tokens), got "
+                           f"{self.min_tokens}", "min_tokens")
         try:
             return parse_sampling({
                 "max_new_tokens": limit, "temperature": self.temperature,
                 "top_p": self.top_p, "top_k": self.top_k, "min_p": self.min_p,
                 "stop": [s for s in stops if s], "stop_token_ids": self.stop_token_ids or (),
                 "seed": self.seed, "ignore_eos": self.ignore_eos, "return_logprob": logprob,
+                "min_new_tokens": self.min_tokens,
             })
         except RequestRejected as err:
             raise ApiError(400, str(err)) from None

@@ -72,7 +72,7 @@ class Server:
     def __init__(self, args: ServerArgs) -> None:
         self.args = args
         self.client = EngineClient(args.engine, args.startup_timeout_s)
-        self.metrics = ServerMetrics(lambda: self.client.stats)
+        self.metrics = ServerMetrics(lambda: self.client.stats, lambda: self.model_name)
         self.inflight: dict[str, Generation] = {}
         self.tokenizer: Any = None
         self.model_name = ""

@@ -11,7 +11,7 @@ correct engine must produce.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -76,23 +76,29 @@ class ScriptedModel:
         pools.allocator.on_free = self._poison
 
     # -- the function a correct engine computes ----------------------------------------
-    def _next_from_hash(self, h: int) -> int:
-        if (h // 7) % 1000 < self.eos_threshold:
+    def _next_from_hash(self, h: int, banned: Collection[int] = ()) -> int:
+        """The scripted choice; with ``banned`` ids (min_new_tokens) the next allowed
+        one, as a real model's masked logits give its next best token."""
+        token = VOCAB_LO + h % (VOCAB_HI - VOCAB_LO)
+        if (h // 7) % 1000 < self.eos_threshold and self.eos_token_id not in banned:
             return self.eos_token_id
-        return VOCAB_LO + h % (VOCAB_HI - VOCAB_LO)
+        while token in banned:
+            token = VOCAB_LO + (token + 1 - VOCAB_LO) % (VOCAB_HI - VOCAB_LO)
+        return token
 
-    def reference_next(self, tokens: Sequence[int]) -> int:
+    def reference_next(self, tokens: Sequence[int], banned: Collection[int] = ()) -> int:
         """Next token after ``tokens`` as a correct engine computes it (no KV involved)."""
         toks = torch.tensor(list(tokens), dtype=torch.int64)
         pos = torch.arange(len(tokens), dtype=torch.int64)
         a = (toks % _MOD) * 31 + pos
-        return self._next_from_hash(int((a * self._weights[: len(tokens)]).sum()))
+        return self._next_from_hash(int((a * self._weights[: len(tokens)]).sum()), banned)
 
     def reference_tokens(self, prompt: Sequence[int], max_new_tokens: int,
-                         stop_ids: Sequence[int] = ()) -> list[int]:
-        seq, out = list(prompt), []
+                         stop_ids: Sequence[int] = (), min_new_tokens: int = 0) -> list[int]:
+        seq = list(prompt)
+        out: list[int] = []
         for _ in range(max_new_tokens):
-            token = self.reference_next(seq)
+            token = self.reference_next(seq, stop_ids if len(out) < min_new_tokens else ())
             out.append(token)
             seq.append(token)
             if token in stop_ids:
@@ -105,7 +111,9 @@ class ScriptedModel:
         if batch.speculative:
             return self._forward_speculative(batch)
         self._write(batch.out_cache_loc, batch.input_ids, batch.positions)
-        nexts = self._next_tokens(batch.req_pool_indices, batch.seq_lens)
+        banned = batch.banned_token_ids
+        nexts = self._next_tokens(batch.req_pool_indices, batch.seq_lens,
+                                  [] if banned is None else banned.tolist())
         sample = batch.sample.tolist()
         return ModelOutput([[t] if s else [] for t, s in zip(nexts, sample, strict=True)])
 
@@ -137,8 +145,10 @@ class ScriptedModel:
         kbuf[idx, 0, 0] = torch.remainder(token_ids.to(torch.int64), _MOD).to(torch.float64)
         kbuf[idx, 0, 1] = positions.to(torch.float64)
 
-    def _next_tokens(self, rows: torch.Tensor, seq_lens: torch.Tensor) -> list[int]:
-        """Hash of every (token, position) the rows point at, for the whole batch."""
+    def _next_tokens(self, rows: torch.Tensor, seq_lens: torch.Tensor,
+                     banned: Sequence[Collection[int]] = ()) -> list[int]:
+        """Hash of every (token, position) the rows point at, for the whole batch;
+        ``banned[i]``: ids row i must not produce (-1 padding is no token id)."""
         if rows.numel() == 0:
             return []
         flat = self.pools.kv_buffer.get_kv_buffer(0)[0].view(-1, 2)  # type: ignore[union-attr]
@@ -148,7 +158,9 @@ class ScriptedModel:
         a = values[..., 0] * 31 + values[..., 1]
         a *= torch.arange(length)[None, :] < seq_lens.long()[:, None]
         hashes = (a @ self._weights[:length].to(torch.float64)).tolist()
-        return [self._next_from_hash(int(h)) for h in hashes]
+        if not banned:
+            return [self._next_from_hash(int(h)) for h in hashes]
+        return [self._next_from_hash(int(h), ids) for h, ids in zip(hashes, banned, strict=True)]
 
     def _poison(self, page_ids: Sequence[int]) -> None:
         kbuf = self.pools.kv_buffer.get_kv_buffer(0)[0]  # type: ignore[union-attr]
@@ -290,7 +302,9 @@ class ScriptedEngine:
         rows = self.pools.req_to_token_pool
         assert rows.available_size() == rows.size
 
-    def reference(self, prompt_ids: Sequence[int], max_new_tokens: int) -> list[int]:
-        """Tokens a correct engine returns for this prompt (no EOS configured)."""
+    def reference(self, prompt_ids: Sequence[int], max_new_tokens: int,
+                  min_new_tokens: int = 0) -> list[int]:
+        """Tokens a correct engine returns for this prompt (EOS the only stop id)."""
         return self.model.reference_tokens(prompt_ids, max_new_tokens,
-                                           stop_ids=self.config.eos_token_ids)
+                                           stop_ids=self.config.eos_token_ids,
+                                           min_new_tokens=min_new_tokens)

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from kvserve.forward import SamplingBatch
-from kvserve.model.sampler import hash_uniform, sample
+from kvserve.model.sampler import ban_tokens, hash_uniform, sample
 
 
 def params(n, temperature=1.0, top_k=-1, top_p=1.0, min_p=0.0, seed=-1):
@@ -73,3 +73,16 @@ def test_unseeded_rows_use_the_generator(n):
     b = sample(x, params(n), torch.arange(n), torch.Generator().manual_seed(1))
     c = sample(x, params(n), torch.arange(n), torch.Generator().manual_seed(2))
     assert torch.equal(a, b) and not torch.equal(a, c)
+
+
+def test_ban_tokens_masks_only_each_rows_listed_ids():
+    x = torch.arange(18, dtype=torch.float32).view(3, 6)
+    banned = torch.tensor([[5, 4], [5, -1], [-1, -1]])  # -1 is padding, not a token id
+    masked = ban_tokens(x, banned)
+    assert masked.argmax(-1).tolist() == [3, 4, 5]  # greedy takes the next best
+    assert torch.isinf(masked).sum().item() == 3
+    assert torch.equal(x, torch.arange(18, dtype=torch.float32).view(3, 6))  # not in place
+    assert ban_tokens(x, None) is x
+    for seed in range(20):  # sampling never picks a banned id either
+        p = params(3, temperature=5.0, seed=seed)
+        assert sample(masked, p, torch.arange(3)).tolist()[0] not in (4, 5)

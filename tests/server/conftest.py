@@ -54,11 +54,14 @@ class LiveServer:
         return httpx.post(self.url + path, headers=self.headers, timeout=60, **kw)  # type: ignore[arg-type]
 
     def metrics(self) -> dict[str, float]:
-        """``/metrics`` as {sample name with labels: value} for the kvserve: samples."""
+        """``/metrics`` as {sample name with labels: value} for the kvserve: samples,
+        without the ``model_name`` label every series has (its value is MODEL_NAME)."""
         text = self.get("/metrics").text
-        return {name: float(value) for name, value in
-                (line.rsplit(" ", 1) for line in text.splitlines()
-                 if line.startswith("kvserve:"))}
+        label = f'model_name="{MODEL_NAME}"'
+        samples = (line.rsplit(" ", 1) for line in text.splitlines()
+                   if line.startswith("kvserve:"))
+        return {name.replace("{" + label + "}", "").replace(label + ",", ""): float(value)
+                for name, value in samples}
 
     def check(self) -> dict:
         r = self.get("/debug/check")
