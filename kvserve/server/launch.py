@@ -25,7 +25,12 @@ import signal
 import socket
 import sys
 import traceback
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import uvicorn
+
+    from kvserve.server.state import Server
 
 _POLICIES = ("fcfs", "lpm")
 _GRACE_S = 5  # after SIGINT/SIGTERM, open requests may finish for this long
@@ -149,8 +154,8 @@ def ready_line(url: str, info: dict[str, Any], model_name: str) -> str:
             f"{info['context_len']})")
 
 
-def _uvicorn_server(config: Any, srv: Any, sock: socket.socket) -> Any:
-    """uvicorn's server over ``srv`` (a ``Server``), serving on the bound ``sock``.
+def _uvicorn_server(config: uvicorn.Config, srv: Server, sock: socket.socket) -> Any:
+    """uvicorn's server over ``srv``, serving on the bound ``sock``.
 
     ``startup`` first starts the engine and waits for its model (a SIGINT/SIGTERM
     meanwhile stops it), then lets uvicorn listen, then says ``ready``. ``shutdown``
@@ -182,7 +187,7 @@ def _uvicorn_server(config: Any, srv: Any, sock: socket.socket) -> Any:
             except OSError as err:  # listen(): another process bound the port as well
                 self.fail(address_error(config.host, config.port, err), err)
                 return
-            host, port = sock.getsockname()[:2]
+            host, port = sock.getsockname()[:2]  # the port --port 0 got
             url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
             say(ready_line(url, srv.client.info, srv.model_name))
 
@@ -193,6 +198,7 @@ def _uvicorn_server(config: Any, srv: Any, sock: socket.socket) -> Any:
                 await asyncio.wait({task}, timeout=0.1)
                 if self.should_exit and not task.done():
                     task.cancel()
+                    await asyncio.wait({task})
                     say("stopped while loading the model")
                     return False
             task.result()  # its exception, if any
