@@ -206,3 +206,22 @@ def test_sigterm_with_open_requests_says_what_it_waits_for(live) -> None:
     assert kvserve_lines(log)[-2:] == [
         "kvserve: shutting down: 3 requests open, up to 4 s for them to finish",
         "kvserve: stopped"]
+
+
+def test_tokenizer_that_does_not_round_trip_is_refused(tmp_path) -> None:
+    # A word-level vocabulary of one unknown token: "Hello, world" encodes, but to
+    # nothing that decodes back (the probe the server runs before it starts the engine).
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from kvserve.model.errors import ModelLoadError
+    from kvserve.server.state import load_tokenizer
+
+    tokenizer = Tokenizer(models.WordLevel({"[UNK]": 0}, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text('{"tokenizer_class": "TokenizersBackend"}')
+    with pytest.raises(ModelLoadError) as err:
+        load_tokenizer(tmp_path)
+    assert str(err.value) == (f"the tokenizer in {tmp_path} decodes 'Hello, world' back as "
+                              "'[UNK] [UNK] [UNK]' (files: tokenizer.json, "
+                              "tokenizer_config.json)")
