@@ -50,6 +50,17 @@ class EngineDead(RuntimeError):
     """The engine process exited; nothing more will come from it."""
 
 
+class EngineStartError(EngineDead):
+    """The engine process could not load the model. ``str()`` is one line (the last of
+    ``detail``); ``detail`` is the engine's whole message (a traceback when the
+    failure was not a ModelLoadError)."""
+
+    def __init__(self, detail: str) -> None:
+        lines = detail.strip().splitlines() or ["(no message)"]
+        super().__init__(lines[-1])
+        self.detail = detail
+
+
 @dataclass
 class RequestChannel:
     """One request's outputs, in order; ``EngineDead`` ends it if the engine dies."""
@@ -87,7 +98,9 @@ class EngineClient:
     # -- lifecycle -----------------------------------------------------------------------
     async def start(self) -> None:
         """Spawn the engine process and wait until its model is loaded. Raises
-        EngineDead if it fails to start (the message says why)."""
+        EngineStartError when it reports a failure, EngineDead when it exits or is not
+        ready within ``startup_timeout_s`` (then it is killed). Cancellable; then
+        ``shutdown`` kills the process at once."""
         command_addr = f"ipc://{Path(self._tmp.name) / 'commands'}"
         event_addr = f"ipc://{Path(self._tmp.name) / 'events'}"
         self._commands.bind(command_addr)
@@ -103,8 +116,8 @@ class EngineClient:
                 if isinstance(first, EngineReady):
                     self.info, self.stats = first.info, first.stats
                     break
-                message = first.message if isinstance(first, EngineFailed) else repr(first)
-                raise EngineDead(f"engine failed to start: {message}")
+                raise EngineStartError(first.message if isinstance(first, EngineFailed)
+                                       else f"unexpected first message {first!r}")
             if not self.process.is_alive():
                 raise EngineDead(f"engine process exited with code {self.process.exitcode} "
                                  "before it was ready")
@@ -115,10 +128,14 @@ class EngineClient:
                        asyncio.create_task(self._watch_process())]
 
     async def shutdown(self, timeout_s: float = 10.0) -> None:
-        """Stop the engine (it aborts and releases every live request) and wait for it."""
+        """Stop the engine (it aborts and releases every live request) and wait for it;
+        one still loading its model is killed (it would read no command until loaded)."""
         self._closing = True
         proc = self.process
-        if proc is not None and proc.is_alive():
+        if proc is not None and proc.is_alive() and not self.info:
+            proc.kill()
+            proc.join(timeout=5)
+        elif proc is not None and proc.is_alive():
             # NOBLOCK: a dying engine has closed its socket, and a blocking send to no
             # peer would wait forever (SIGTERM then never ends the server)
             with contextlib.suppress(zmq.ZMQError):

@@ -4,10 +4,10 @@
     HTTP process <--PULL-- events (a pickled list per loop turn)   <--PUSH-- engine process
 
 The first message the engine sends is ``EngineReady`` (or ``EngineFailed`` when the
-model cannot be loaded). SIGINT is ignored here (a terminal's Ctrl-C reaches the
-whole process group; the HTTP process shuts the engine down in order), SIGTERM
-stops the loop after releasing every request, and the loop stops on its own when
-the HTTP process is gone.
+model cannot be loaded: the one-line reason of a ModelLoadError, else the traceback).
+SIGINT is ignored here (a terminal's Ctrl-C reaches the whole process group; the HTTP
+process shuts the engine down in order), SIGTERM stops the loop after releasing every
+request, and the loop stops on its own when the HTTP process is gone.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import zmq
 
 from kvserve.engine.core import EngineArgs, EngineCore
 from kvserve.engine.messages import Command, EngineFailed, EngineReady, Event, ShutdownReq
+from kvserve.model.errors import ModelLoadError
 
 
 def run_engine_process(args: EngineArgs, command_addr: str, event_addr: str) -> None:
@@ -37,7 +38,8 @@ def run_engine_process(args: EngineArgs, command_addr: str, event_addr: str) -> 
     try:
         core = EngineCore(args)
     except Exception as err:
-        events.send_pyobj(EngineFailed(f"{type(err).__name__}: {err}"))
+        events.send_pyobj(EngineFailed(str(err) if isinstance(err, ModelLoadError)
+                                       else traceback.format_exc()))
         events.close()
         ctx.term()
         raise SystemExit(1) from None

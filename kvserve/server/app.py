@@ -26,16 +26,20 @@ async def _http_error(request: Request, exc: Exception) -> Response:
 
 
 def create_app(args: ServerArgs, server: Server | None = None) -> FastAPI:
-    """The ASGI app; its lifespan starts and stops the engine process."""
+    """The ASGI app. Its lifespan starts and stops the engine process unless ``server``
+    was started before (``kvserve serve`` does, to fail before it listens)."""
     srv = server or Server(args)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        await srv.start()
+        owned = not srv.started
+        if owned:
+            await srv.start()
         try:
             yield
         finally:
-            await srv.stop()
+            if owned:
+                await srv.stop()
 
     app = FastAPI(title="kvserve", lifespan=lifespan)
     app.state.server = srv

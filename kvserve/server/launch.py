@@ -1,23 +1,71 @@
-"""``kvserve serve``: arguments, then uvicorn over the app (the engine process starts in
-the app's lifespan). SIGINT/SIGTERM: uvicorn stops taking connections, lets open
-requests finish for a few seconds, then the engine aborts what is left, releases it
-and exits; both processes are gone when this returns."""
+"""``kvserve serve``: the startup a serving engineer expects, each step before the next.
+
+1. bind the listening socket (``bind_socket``): a port in use is one line and exit 3
+   before anything is loaded; the socket is handed to uvicorn, so no one takes the
+   port in between;
+2. resolve the model (``resolve_model``) and check its tokenizer (``load_tokenizer``):
+   one line and exit 4;
+3. start the engine process and wait for its model (``EngineReady``); ``EngineFailed``
+   is one line and exit 4;
+4. serve: uvicorn listens on the socket, and one line ``kvserve: ready on URL (...)``
+   says so once ``/health`` answers 200.
+
+SIGINT/SIGTERM: uvicorn stops taking connections, open requests may finish for a few
+seconds, then the engine aborts what is left, releases it and exits; both processes
+are gone when ``serve`` returns. Errors are one line on stderr; ``--log-level debug``
+adds the traceback.
+"""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
 import signal
+import socket
 import sys
-from collections.abc import Callable
-from typing import Any
+import traceback
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import uvicorn
+
+    from kvserve.server.state import Server
 
 _POLICIES = ("fcfs", "lpm")
 _GRACE_S = 5  # after SIGINT/SIGTERM, open requests may finish for this long
+EXIT_OK = 0  # stopped by SIGINT/SIGTERM
+EXIT_FAILED = 1  # an unexpected error
+EXIT_USAGE = 2  # bad arguments, or the server extras are not installed
+EXIT_ADDRESS = 3  # the host:port cannot be bound (in use, not an address of this machine)
+EXIT_MODEL = 4  # the model, its tokenizer or the engine could not be loaded
+EXIT_STATUSES = f"""exit status:
+  {EXIT_OK}  stopped by SIGINT or SIGTERM
+  {EXIT_FAILED}  an unexpected error (--log-level debug prints its traceback)
+  {EXIT_USAGE}  bad arguments, or the server extras are missing
+  {EXIT_ADDRESS}  the port is in use, or the host is not an address of this machine
+  {EXIT_MODEL}  the model cannot be loaded: missing folder, tokenizer or weights, or the
+     engine failed to start"""
 
 
-class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows a default only where it says something (not None, False or said already)."""
+def say(line: str) -> None:
+    """One line of ``kvserve serve``'s own log (stderr, flushed)."""
+    print(f"kvserve: {line}", file=sys.stderr, flush=True)
+
+
+class StartupError(Exception):
+    """A step of the startup failed: ``str()`` is the one line to print, ``status`` the
+    exit status."""
+
+    def __init__(self, message: str, status: int) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class _DefaultsFormatter(argparse.RawDescriptionHelpFormatter,
+                         argparse.ArgumentDefaultsHelpFormatter):
+    """Shows a default only where it says something (not None, False or said already);
+    the description and epilog keep their line breaks."""
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
         if action.default in (None, False) or "default" in (action.help or ""):
@@ -31,9 +79,10 @@ def add_serve_parser(commands: argparse._SubParsersAction, positive: object,
     serve = commands.add_parser(
         "serve", formatter_class=_DefaultsFormatter,
         help="OpenAI-compatible HTTP server",
-        description="Serve a checkpoint over HTTP (OpenAI /v1/completions and "
-        "/v1/chat/completions, SGLang /generate). Without --model, a tiny random-weight "
-        "default model.",
+        description="Serve a checkpoint over HTTP (OpenAI /v1/completions and\n"
+        "/v1/chat/completions, SGLang /generate). Without --model, a tiny random-weight\n"
+        "default model. Prints one line 'kvserve: ready on URL (...)' once /health answers.",
+        epilog=EXIT_STATUSES,
     )
     serve.add_argument("--model", help="HF checkpoint folder; without it, the tiny "
                        "random-weight default model")
@@ -71,15 +120,100 @@ def add_serve_parser(commands: argparse._SubParsersAction, positive: object,
                        help="uvicorn's log level")
 
 
-def _uvicorn_server(config: Any, abort_inflight: Callable[[], None]) -> Any:
-    """uvicorn's server, aborting what is still in flight a second before its graceful
-    shutdown would cut the connections: open streams end with finish_reason "abort" and
-    ``[DONE]``, not a truncated body."""
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host:port`` (not listening yet: uvicorn listens once the
+    model is loaded, so a client is refused rather than kept waiting meanwhile).
+    SO_REUSEADDR as uvicorn sets it (a restart need not wait for TIME_WAIT). Raises
+    StartupError (EXIT_ADDRESS)."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror as err:
+        raise StartupError(f"cannot listen on {host}: {err.strerror}", EXIT_ADDRESS) from None
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+    except OSError as err:
+        sock.close()
+        raise address_error(host, port, err) from None
+    return sock
+
+
+def address_error(host: str, port: int, err: OSError) -> StartupError:
+    if err.errno == errno.EADDRINUSE:
+        return StartupError(f"port {port} on {host} is in use", EXIT_ADDRESS)
+    return StartupError(f"cannot listen on {host}:{port}: {err.strerror or err}", EXIT_ADDRESS)
+
+
+def ready_line(url: str, info: dict[str, Any], model_name: str) -> str:
+    """``ready on URL (model NAME, KV pool N tokens, page P, context C)``."""
+    weights = " with random weights" if info.get("random_weights") else ""
+    return (f"ready on {url} (model {model_name}{weights}, KV pool "
+            f"{info['max_total_num_tokens']} tokens, page {info['page_size']}, context "
+            f"{info['context_len']})")
+
+
+def _uvicorn_server(config: uvicorn.Config, srv: Server, sock: socket.socket) -> Any:
+    """uvicorn's server over ``srv``, serving on the bound ``sock``.
+
+    ``startup`` first starts the engine and waits for its model (a SIGINT/SIGTERM
+    meanwhile stops it), then lets uvicorn listen, then says ``ready``. ``shutdown``
+    says what it waits for, and aborts what is still in flight a second before uvicorn
+    would cut the connections: open streams end with finish_reason "abort" and
+    ``[DONE]``, not a truncated body. ``failure`` is the StartupError, if one."""
     import uvicorn
 
+    from kvserve.engine.client import EngineDead
+    from kvserve.model.errors import ModelLoadError
+
     class Server(uvicorn.Server):
+        failure: StartupError | None = None
+
+        async def serve(self, sockets: Any = None) -> None:
+            try:
+                await super().serve(sockets)
+            finally:
+                await srv.stop()
+
+        async def startup(self, sockets: Any = None) -> None:
+            try:
+                if not await self._start_engine():
+                    return
+                await super().startup(sockets)
+            except (EngineDead, ModelLoadError) as err:
+                self.fail(StartupError(f"cannot load model: {err}", EXIT_MODEL), err)
+                return
+            except OSError as err:  # listen(): another process bound the port as well
+                self.fail(address_error(config.host, config.port, err), err)
+                return
+            host, port = sock.getsockname()[:2]  # the port --port 0 got
+            url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+            say(ready_line(url, srv.client.info, srv.model_name))
+
+        async def _start_engine(self) -> bool:
+            """Start it and wait for it; False when a signal asked to stop meanwhile."""
+            task = asyncio.create_task(srv.start())
+            while not task.done():
+                await asyncio.wait({task}, timeout=0.1)
+                if self.should_exit and not task.done():
+                    task.cancel()
+                    await asyncio.wait({task})
+                    say("stopped while loading the model")
+                    return False
+            task.result()  # its exception, if any
+            return True
+
+        def fail(self, failure: StartupError, err: BaseException) -> None:
+            self.failure, self.should_exit = failure, True
+            detail = getattr(err, "detail", None)
+            if config.log_level == "debug":
+                print(detail or "".join(traceback.format_exception(err)), file=sys.stderr)
+
         async def shutdown(self, sockets: Any = None) -> None:
-            timer = asyncio.get_running_loop().call_later(_GRACE_S - 1, abort_inflight)
+            say(f"shutting down: {len(srv.inflight)} requests open, up to {_GRACE_S - 1} s "
+                "for them to finish")
+            timer = asyncio.get_running_loop().call_later(_GRACE_S - 1, srv.abort_inflight)
             try:
                 await super().shutdown(sockets)
             finally:
@@ -89,50 +223,70 @@ def _uvicorn_server(config: Any, abort_inflight: Callable[[], None]) -> Any:
 
 
 def serve(args: argparse.Namespace) -> int:
-    """Run the server until SIGINT/SIGTERM. Returns the exit status."""
+    """Run the server until SIGINT/SIGTERM. Returns the exit status (``EXIT_*``)."""
+    try:
+        with bind_socket(args.host, args.port) as sock:  # before any slow import
+            return _serve(args, sock)
+    except StartupError as err:
+        say(str(err))
+        return err.status
+    except KeyboardInterrupt:  # Ctrl-C before the engine starts: nothing to stop
+        say("stopped")
+        return EXIT_OK
+    except Exception as err:
+        if args.log_level == "debug":
+            traceback.print_exc()
+        say(f"failed: {type(err).__name__}: {err} (--log-level debug shows the traceback)")
+        return EXIT_FAILED
+
+
+def _serve(args: argparse.Namespace, sock: socket.socket) -> int:
     try:
         import uvicorn
 
-        from kvserve.engine import EngineArgs
         from kvserve.server.app import create_app
-        from kvserve.server.state import ServerArgs
+        from kvserve.server.state import Server, ServerArgs, load_tokenizer
     except ImportError as err:
-        print(f"kvserve serve needs the server extras ({err.name} is missing): "
-              "pip install 'kvserve[server]'", file=sys.stderr)
-        return 2
-    from kvserve.model.config import ModelLoadError
+        raise StartupError(f"kvserve serve needs the server extras ({err.name} is "
+                           "missing): pip install 'kvserve[server]'", EXIT_USAGE) from None
+    from kvserve.engine import EngineArgs
+    from kvserve.model.errors import ModelLoadError
     from kvserve.model.loader import load_config
     from kvserve.model.source import resolve_model
 
     try:
         resolved = resolve_model(args.model)
-        load_config(resolved.path)  # a bad folder is a message here, not a traceback
+        say(f"loading model {args.served_model_name or resolved.name} from "
+            f"{resolved.source}")
+        load_config(resolved.path)  # a bad config is a line here, not in the engine
+        tokenizer = load_tokenizer(resolved.path)
     except ModelLoadError as err:
-        print(f"kvserve: cannot load model: {err}", file=sys.stderr)
-        return 2
-    if resolved.note:
-        print(f"kvserve: {resolved.note}", file=sys.stderr)
+        raise StartupError(f"cannot load model: {err}", EXIT_MODEL) from None
     chunk = args.chunked_prefill_size if args.chunked_prefill_size > 0 else None
     engine = EngineArgs(
         model_path=args.model, page_size=args.page_size, chunked_prefill_size=chunk,
         max_total_tokens=args.max_total_tokens, context_len=args.context_length,
-        disable_radix_cache=args.disable_radix_cache, device=args.device, dtype=args.dtype,
-        max_running_requests=args.max_running_requests,
-        max_queued_requests=args.max_queued_requests, schedule_policy=args.schedule_policy,
-        strict_checks=args.strict_checks, attention_backend=args.attention_backend,
+        disable_radix_cache=args.disable_radix_cache, device=args.device,
+        dtype=args.dtype, max_running_requests=args.max_running_requests,
+        max_queued_requests=args.max_queued_requests,
+        schedule_policy=args.schedule_policy, strict_checks=args.strict_checks,
+        attention_backend=args.attention_backend,
     )
     server_args = ServerArgs(engine=engine, host=args.host, port=args.port,
-                             api_key=args.api_key, served_model_name=args.served_model_name,
+                             api_key=args.api_key,
+                             served_model_name=args.served_model_name,
                              enable_debug_endpoints=args.enable_debug_endpoints)
-    app = create_app(server_args)
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                            timeout_graceful_shutdown=_GRACE_S, access_log=False)
-    server = _uvicorn_server(config, app.state.server.abort_inflight)
-    print(f"kvserve: serving {resolved.source} on http://{args.host}:{args.port}", file=sys.stderr,
-          flush=True)
-    # uvicorn re-raises a captured SIGINT/SIGTERM after its graceful shutdown, into the
-    # handlers found at start: make those no-ops so a signalled stop exits with 0.
+    srv = Server(server_args, tokenizer)
+    config = uvicorn.Config(create_app(server_args, srv), host=args.host, port=args.port,
+                            log_level=args.log_level, timeout_graceful_shutdown=_GRACE_S,
+                            access_log=False)
+    server = _uvicorn_server(config, srv, sock)
+    # uvicorn re-raises a captured SIGINT/SIGTERM after its graceful shutdown, into
+    # the handlers found at start: make those no-ops so a signalled stop exits with 0.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda signum, frame: None)
-    server.run()
-    return 0 if server.started else 1
+    server.run(sockets=[sock])
+    if server.failure is not None:
+        raise server.failure
+    say("stopped")
+    return EXIT_OK

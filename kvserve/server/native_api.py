@@ -122,7 +122,8 @@ async def get_model_info(request: Request) -> Response:
     return JSONResponse({"model_path": path, "tokenizer_path": path,
                          "is_generation": True, "served_model_name": srv.model_name,
                          "model_type": srv.client.info.get("model_type"),
-                         "architectures": srv.client.info.get("architectures")})
+                         "architectures": srv.client.info.get("architectures"),
+                         "random_weights": srv.client.info["random_weights"]})
 
 
 @router.get("/get_server_info")

@@ -69,8 +69,9 @@ class ServerProcess:
                                          start_new_session=self.own_session)
 
     def wait_healthy(self, timeout_s: float = 300.0) -> None:
-        """Wait for GET /health == 200. Raises ServerStartError (after stopping it) when
-        it exits first or is not healthy within ``timeout_s``."""
+        """Wait for GET /health == 200 (the server prints its ``ready`` line then; until
+        the model is loaded the port refuses connections). Raises ServerStartError (after
+        stopping it) when it exits first or is not healthy within ``timeout_s``."""
         import httpx
 
         assert self.proc is not None, "launch() first"

@@ -16,6 +16,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, TypeVar
 
 from fastapi import Request
@@ -24,6 +25,7 @@ from pydantic import BaseModel, ValidationError
 from kvserve.engine.client import EngineClient, RequestChannel
 from kvserve.engine.core import EngineArgs
 from kvserve.engine.stream import OutputStream
+from kvserve.model.errors import ModelLoadError
 from kvserve.sched.output import ReqOutput
 from kvserve.sched.req import SamplingParams
 from kvserve.server.metrics import ServerMetrics
@@ -32,6 +34,9 @@ from kvserve.server.protocol import ApiError
 DISCONNECT_POLL_S = 0.05  # every in-flight request is checked this often
 _BodyT = TypeVar("_BodyT", bound=BaseModel)
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+PROBE_TEXT = "Hello, world"  # the tokenizer must encode it to tokens and decode it back
+TOKENIZER_FILES = ("tokenizer.json, or tokenizer_config.json with vocab.json+merges.txt "
+                   "or tokenizer.model")  # what transformers builds a tokenizer from
 
 
 @dataclass
@@ -62,33 +67,69 @@ class Generation:
     logprobs_sent: int = 0  # streaming: tokens whose log-probabilities went out already
 
 
+def load_tokenizer(folder: Path) -> Any:
+    """The checkpoint's tokenizer (transformers, local files only), with kvserve's chat
+    template when it has none; checked: ``PROBE_TEXT`` encodes to a non-empty sequence
+    that decodes back (case and surrounding spaces aside). Raises ModelLoadError (one
+    line naming the files looked for) otherwise."""
+    from transformers import AutoTokenizer
+
+    from kvserve.model.init import CHAT_TEMPLATE
+
+    found = ", ".join(sorted(p.name for p in folder.iterdir())) if folder.is_dir() else ""
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    except Exception:  # transformers raises OSError, ValueError, TypeError... here
+        raise ModelLoadError(f"no tokenizer in {folder}: expected {TOKENIZER_FILES} "
+                             f"(found: {found or 'nothing'})") from None
+    ids = list(tokenizer.encode(PROBE_TEXT, add_special_tokens=False))
+    if not ids:
+        raise ModelLoadError(f"the tokenizer in {folder} encodes {PROBE_TEXT!r} to no "
+                             f"tokens (files: {found})")
+    back = str(tokenizer.decode(ids, skip_special_tokens=True))
+    if back.strip().lower() != PROBE_TEXT.lower():
+        raise ModelLoadError(f"the tokenizer in {folder} decodes {PROBE_TEXT!r} back as "
+                             f"{back!r} (files: {found})")
+    if not getattr(tokenizer, "chat_template", None):
+        tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
 def _reject_json_constant(name: str) -> Any:
     raise ValueError(f"{name} is not a JSON number")
 
 
 class Server:
-    """State shared by the endpoints: engine client, tokenizer, metrics, in-flight table."""
+    """State shared by the endpoints: engine client, tokenizer, metrics, in-flight table.
 
-    def __init__(self, args: ServerArgs) -> None:
+    Args:
+        args: the server's options.
+        tokenizer: the checkpoint's tokenizer, already checked (``load_tokenizer``);
+            None: ``start`` loads it from the engine's model folder.
+    """
+
+    def __init__(self, args: ServerArgs, tokenizer: Any = None) -> None:
         self.args = args
         self.client = EngineClient(args.engine, args.startup_timeout_s)
         self.metrics = ServerMetrics(lambda: self.client.stats, lambda: self.model_name)
         self.inflight: dict[str, Generation] = {}
-        self.tokenizer: Any = None
+        self.tokenizer: Any = tokenizer
         self.model_name = ""
         self.context_len = 0
         self._watcher: asyncio.Task[None] | None = None
+        self._stopped = False
+
+    @property
+    def started(self) -> bool:
+        """``start`` has returned: the engine's model is loaded."""
+        return self._watcher is not None
 
     async def start(self) -> None:
-        from transformers import AutoTokenizer
-
-        from kvserve.model.init import CHAT_TEMPLATE
-
+        """Start the engine process and wait until its model is loaded. Raises
+        EngineDead (``EngineStartError`` when it could not load) or ModelLoadError."""
         await self.client.start()
-        path = self.client.info["model_path"]
-        self.tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-        if not getattr(self.tokenizer, "chat_template", None):
-            self.tokenizer.chat_template = CHAT_TEMPLATE
+        if self.tokenizer is None:
+            self.tokenizer = load_tokenizer(Path(self.client.info["model_path"]))
         self.model_name = self.args.served_model_name or self.client.info["model_name"]
         self.context_len = int(self.client.info["context_len"])
         self._watcher = asyncio.create_task(self._watch_disconnects())
@@ -100,6 +141,10 @@ class Server:
             self.client.abort(rid)
 
     async def stop(self) -> None:
+        """Stop the engine process (started or still loading); a second call does nothing."""
+        if self._stopped:
+            return
+        self._stopped = True
         if self._watcher is not None:
             self._watcher.cancel()
         await self.client.shutdown()
