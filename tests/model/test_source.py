@@ -4,6 +4,9 @@ KVSERVE_DEFAULT_MODEL=tiny) the tiny random-weight model, with a one-line note."
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 
 import kvserve.model.source as source
@@ -71,3 +74,12 @@ def test_default_is_smollm2_when_installed(cache):
     assert resolved.source == str(source.default_model_file())
     assert resolved.path.parent == cache / "gguf"
     assert resolved.path.name.startswith("SmolLM2-135M-Instruct.Q4_1-")
+
+
+def test_kvserve_and_engine_import_without_gguf():
+    code = ("import sys\nsys.modules['gguf'] = None  # import raises ImportError\n"
+            "import kvserve\nfrom kvserve import Engine\nimport kvserve.model.source\n"
+            "import kvserve.model.gguf\nprint('ok')\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert (done.returncode, done.stdout) == (0, "ok\n"), done.stderr
