@@ -8,7 +8,6 @@ are one-line errors."""
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -293,13 +292,13 @@ def test_without_the_gguf_package(monkeypatch, tmp_path):
         inspect_gguf(tmp_path / "x.gguf")
 
 
-def test_generate_with_a_bad_gguf_exits_2_with_one_line(tmp_path):
+def test_generate_with_a_bad_gguf_exits_2_with_one_line(tmp_path, capsys):
+    from kvserve.cli import main
+
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"GGUF\x03\x00")
-    done = subprocess.run([sys.executable, "-m", "kvserve.cli", "generate", "--model",
-                           str(bad), "x"], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 2
-    assert done.stderr == f"kvserve: truncated or not a GGUF file: {bad}\n"
+    assert main(["generate", "--model", str(bad), "x"]) == 2
+    assert capsys.readouterr().err == f"kvserve: truncated or not a GGUF file: {bad}\n"
 
 
 # --- the real default model ---------------------------------------------------------------
