@@ -8,7 +8,9 @@ What it writes: ``config.json`` (``architectures`` set, no quantization config),
 reference dequantizers, through transformers' ``load_gguf_checkpoint``, which also undoes
 llama.cpp's q/k row permutation for Llama) and the tokenizer files with the chat template,
 all from the GGUF metadata. BOS/EOS/PAD/UNK come from ``tokenizer.ggml.*_token_id`` (the
-engine stops at ``config.eos_token_id``).
+engine stops at ``config.eos_token_id``). Llama 3 rope scaling, which llama.cpp stores as
+a ``rope_freqs`` tensor, becomes transformers' ``llama3`` rope parameters (checked against
+the tensor); other GGUF rope scaling is refused.
 
 Cache: ``$KVSERVE_CACHE/gguf/<file stem>-<key>/`` (``KVSERVE_CACHE`` defaults to
 ``~/.cache/kvserve``); ``<key>`` hashes the file's name, size and modification time, so an
@@ -63,6 +65,8 @@ class GGUFInfo:
         tensor_types: the GGML tensor types it holds, sorted.
         special_ids: ``bos``/``eos``/``pad``/``unk`` -> token id, those the file names.
         head_dim: ``<arch>.attention.key_length`` when the file gives it, else None.
+        rope_freqs: the ``rope_freqs.weight`` tensor (llama.cpp's Llama 3 rope scaling:
+            per-frequency divisors of the inverse frequencies), or None.
     """
 
     path: Path
@@ -71,6 +75,7 @@ class GGUFInfo:
     tensor_types: tuple[str, ...]
     special_ids: dict[str, int]
     head_dim: int | None
+    rope_freqs: tuple[float, ...] | None = None
 
 
 def _import_gguf() -> Any:
@@ -93,8 +98,8 @@ def inspect_gguf(path: str | Path) -> GGUFInfo:
 
     Raises ModelLoadError (one line) for a file that cannot be read, a truncated file or
     one that is not GGUF, a split (multi-file) GGUF, an unsupported ``general.architecture``
-    or tensor type, GGUF rope scaling (``rope_freqs``, ``rope.scaling.type``), and a file
-    without a tokenizer.
+    or tensor type, GGUF rope scaling other than Llama's ``rope_freqs`` tensor
+    (``rope.scaling.type``), and a file without a tokenizer.
     """
     gguf = _import_gguf()
     path = Path(path)
@@ -123,8 +128,9 @@ def inspect_gguf(path: str | Path) -> GGUFInfo:
                              f"(first: {first}; supported: "
                              f"{', '.join(SUPPORTED_TENSOR_TYPES)})")
     scaling = _field(reader, f"{arch}.rope.scaling.type")
-    if any(t.name == "rope_freqs.weight" for t in reader.tensors):
-        scaling = "rope_freqs (Llama 3)"
+    freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    if freqs is not None and (arch != "llama" or freqs.tensor_type.name != "F32"):
+        scaling = "rope_freqs"
     if scaling not in (None, "none"):
         # transformers' GGUF mapping drops these; serving without them is silently wrong
         raise ModelLoadError(f"GGUF rope scaling {scaling} of {path} is not supported "
@@ -138,8 +144,48 @@ def inspect_gguf(path: str | Path) -> GGUFInfo:
         if value is not None:
             special[name] = int(value)
     head_dim = _field(reader, f"{arch}.attention.key_length")
+    rope_freqs = None if freqs is None else tuple(float(x) for x in freqs.data.ravel())
     return GGUFInfo(path, arch, SUPPORTED_ARCHITECTURES[arch], tuple(types), special,
-                    None if head_dim is None else int(head_dim))
+                    None if head_dim is None else int(head_dim), rope_freqs)
+
+
+# The Llama 3.1/3.2 rope scaling constants (only ``factor`` differs between them)
+_LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192}
+
+
+def llama3_rope_parameters(config: Any, rope_freqs: tuple[float, ...],
+                           path: Path) -> dict[str, Any]:
+    """transformers' ``rope_parameters`` for a Llama GGUF with a ``rope_freqs`` tensor.
+
+    llama.cpp stores Llama 3 rope scaling as per-frequency divisors of the inverse
+    frequencies; GGUF keeps no parameters. The published Llama 3 constants with
+    ``factor = max(rope_freqs)`` are checked to give the same divisors (relative 1e-5),
+    so the served frequencies are the file's. Raises ModelLoadError when they do not.
+    """
+    import torch
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    theta = float(config.rope_parameters["rope_theta"])
+    factor = max(rope_freqs)
+    if factor <= 1.0:  # all ones: plain rope
+        return {"rope_type": "default", "rope_theta": theta}
+    params = {"rope_type": "llama3", "rope_theta": theta, "factor": factor, **_LLAMA3_ROPE}
+    saved = config.rope_parameters
+    config.rope_parameters = params
+    try:
+        scaled, _ = ROPE_INIT_FUNCTIONS["llama3"](config, None)
+    finally:
+        config.rope_parameters = saved
+    dim = scaled.numel() * 2
+    plain = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    got = torch.tensor(rope_freqs, dtype=torch.float64)
+    if got.numel() != scaled.numel() or not torch.allclose(
+            plain / scaled.double(), got, rtol=1e-5, atol=0.0):
+        raise ModelLoadError(f"GGUF rope scaling rope_freqs of {path} is not Llama 3's "
+                             f"(factor {factor:g}, low/high frequency factors 1/4, original "
+                             "context 8192); not supported")
+    return params
 
 
 def converted_dir(path: str | Path) -> Path:
@@ -187,6 +233,8 @@ def convert_gguf(path: str | Path) -> Path:
     except OSError as err:
         raise ModelLoadError(f"cannot write the GGUF cache {out}: "
                              f"{err.strerror or err}") from err
+    except ModelLoadError:
+        raise
     except (ValueError, KeyError, AttributeError, TypeError, RuntimeError) as err:
         # transformers' GGUF mapping fails on metadata it does not expect
         reason = str(err).splitlines()[0] if str(err) else type(err).__name__
@@ -212,6 +260,8 @@ def _write_folder(info: GGUFInfo, out: Path) -> None:
         del config.quantization_config  # the weights are written dequantized
     if info.head_dim is not None:
         config.head_dim = info.head_dim  # transformers maps it for llama only
+    if info.rope_freqs is not None:  # transformers' GGUF mapping drops it
+        config.rope_parameters = llama3_rope_parameters(config, info.rope_freqs, info.path)
     for which, token_id in info.special_ids.items():
         if which != "unk":
             setattr(config, f"{which}_token_id", token_id)

@@ -8,6 +8,7 @@ are one-line errors."""
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -36,6 +37,9 @@ from kvserve.model.source import (  # noqa: E402
 Q = gguf.GGMLQuantizationType
 GGUF_ARCH = {"tiny-llama": "llama", "tiny-qwen2": "qwen2", "tiny-qwen3": "qwen3"}
 PROMPT = [17, 23, 99, 250, 3, 77, 5, 300, 41, 8, 150, 60, 61, 62, 200]
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+               "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192}
 SUPPORTED = ("F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K")
 
 
@@ -62,8 +66,24 @@ def store(w: np.ndarray, qtype: str) -> tuple[np.ndarray, object, np.ndarray]:
     return data, kind, gguf.quants.dequantize(data, kind).reshape(w.shape)
 
 
+def llama3_rope_factors(theta: float, dim: int, factor: float = 8.0, low: float = 1.0,
+                        high: float = 4.0, orig: int = 8192) -> np.ndarray:
+    """llama.cpp's ``rope_freqs`` for Llama 3 rope scaling: per-frequency divisors."""
+    out = []
+    for i in range(0, dim, 2):
+        wavelen = 2 * math.pi * theta ** (i / dim)
+        if wavelen < orig / high:
+            out.append(1.0)
+        elif wavelen > orig / low:
+            out.append(factor)
+        else:
+            smooth = (orig / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out, dtype=np.float32)
+
+
 def write_gguf(ckpt: Path, out: Path, arch: str, qtype: str, *, extra_tensor=None,
-               rope_freqs: bool = False) -> dict[str, torch.Tensor]:
+               rope_orig: int | None = None) -> dict[str, torch.Tensor]:
     """A GGUF of the checkpoint folder ``ckpt``; returns the weights a correct reader
     gets (HF names and row order, dequantized)."""
     from safetensors.torch import load_file
@@ -114,8 +134,11 @@ def write_gguf(ckpt: Path, out: Path, arch: str, qtype: str, *, extra_tensor=Non
         expected[name] = torch.from_numpy(np.ascontiguousarray(back, dtype=np.float32))
     if extra_tensor is not None:
         w.add_tensor(*extra_tensor[:2], raw_dtype=extra_tensor[2])
-    if rope_freqs:
-        w.add_tensor("rope_freqs.weight", np.ones(head_dim // 2, dtype=np.float32))
+    rope = cfg["rope_parameters"]
+    if rope["rope_type"] == "llama3" or rope_orig:
+        orig = rope_orig or rope["original_max_position_embeddings"]
+        w.add_tensor("rope_freqs.weight",
+                     llama3_rope_factors(rope["rope_theta"], head_dim, orig=orig))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -137,6 +160,12 @@ def tiny_ckpts(tmp_path_factory):
         cfg.pop("kvserve_random_weights")
         (path / "config.json").write_text(json.dumps(cfg))
         out[shape] = path
+    path = init_model(root / "tiny-llama3", "tiny-llama", seed=2)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["rope_parameters"] = LLAMA3_ROPE  # wavelengths in all three regions at head_dim 16
+    cfg.pop("kvserve_random_weights")
+    (path / "config.json").write_text(json.dumps(cfg))
+    out["tiny-llama3"] = path
     return out
 
 
@@ -150,12 +179,13 @@ def hf_reference(ckpt: Path, weights: dict[str, torch.Tensor]):
 
 
 @pytest.mark.parametrize(("shape", "qtype"), [("tiny-llama", "F32"), ("tiny-llama", "Q8_0"),
-                                              ("tiny-qwen2", "F16"), ("tiny-qwen3", "Q8_0")])
+                                              ("tiny-qwen2", "F16"), ("tiny-qwen3", "Q8_0"),
+                                              ("tiny-llama3", "F16")])
 def test_tiny_gguf_is_token_exact_against_transformers(tiny_ckpts, tmp_path, shape, qtype):
     from safetensors.torch import load_file
 
     file = tmp_path / f"{shape}.{qtype}.gguf"
-    expected = write_gguf(tiny_ckpts[shape], file, GGUF_ARCH[shape], qtype)
+    expected = write_gguf(tiny_ckpts[shape], file, GGUF_ARCH.get(shape, "llama"), qtype)
     resolved = resolve_model(file)
     assert (resolved.name, resolved.random_weights) == (f"{shape}.{qtype}", False)
     assert resolved.path == converted_dir(file) and resolved.path.parent.name == "gguf"
@@ -164,7 +194,12 @@ def test_tiny_gguf_is_token_exact_against_transformers(tiny_ckpts, tmp_path, sha
     assert set(got) == set(expected)
     assert all(torch.equal(got[k], expected[k]) for k in expected)
     cfg = json.loads((resolved.path / "config.json").read_text())
+    assert cfg["rope_parameters"]["rope_type"] == ("llama3" if shape == "tiny-llama3"
+                                                   else "default")
+    if shape == "tiny-llama3":  # recovered from rope_freqs
+        assert cfg["rope_parameters"] == LLAMA3_ROPE
     assert cfg["architectures"] == [{"tiny-llama": "LlamaForCausalLM",
+                                     "tiny-llama3": "LlamaForCausalLM",
                                      "tiny-qwen2": "Qwen2ForCausalLM",
                                      "tiny-qwen3": "Qwen3ForCausalLM"}[shape]]
     assert "quantization_config" not in cfg and cfg["eos_token_id"] == 0
@@ -273,9 +308,10 @@ def test_unsupported_tensor_type_and_rope_scaling(tiny_ckpts, tmp_path):
     assert message(file) == (f"GGUF tensor type IQ4_NL of {file} is not supported (first: "
                              f"extra.weight; supported: {SUPPORTED})")
     file = tmp_path / "rope.gguf"
-    write_gguf(tiny_ckpts["tiny-llama"], file, "llama", "F32", rope_freqs=True)
-    assert message(file) == (f"GGUF rope scaling rope_freqs (Llama 3) of {file} is not "
-                             "supported (load the Hugging Face checkpoint instead)")
+    write_gguf(tiny_ckpts["tiny-llama"], file, "llama", "F32", rope_orig=2048)
+    assert message(file) == (f"GGUF rope scaling rope_freqs of {file} is not Llama 3's "
+                             "(factor 8, low/high frequency factors 1/4, original context "
+                             "8192); not supported")
 
 
 def test_folder_with_two_gguf_files(tmp_path):
