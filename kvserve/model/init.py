@@ -9,14 +9,13 @@ with the ``tokenizers`` library on a fixed built-in text, saved so
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from kvserve.model.source import RANDOM_WEIGHTS_KEY
+from kvserve.model.source import RANDOM_WEIGHTS_KEY, cache_dir
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 TINY_VOCAB = 512
@@ -152,9 +151,9 @@ def init_model(out_dir: str | Path, shape_name: str, seed: int = 0,
 
 
 def default_model_dir() -> Path:
-    """The tiny default model, created once in the cache folder (random weights)."""
-    cache = Path(os.environ.get("KVSERVE_CACHE", Path.home() / ".cache" / "kvserve"))
-    path = cache / "tiny-llama-default"
+    """The tiny random-weight model, created once in the cache folder: the default model's
+    fallback when SmolLM2-135M-Instruct is not installed (``kvserve.model.source``)."""
+    path = cache_dir() / "tiny-llama-default"
     if not (path / "model.safetensors").is_file():
         init_model(path, "tiny-llama", seed=0)
     return path

