@@ -1,21 +1,35 @@
-"""The main job (``kvserve bench chat``, ``bash scripts/main.sh``): a multi-turn chat
-workload with shared system prompts, sent through the official ``openai`` client to a
-``kvserve serve``, started here on the tiny default model unless ``--url`` names one.
+"""The main job (``kvserve bench chat``, ``bash scripts/main.sh``): real multi-turn chats
+under shared system prompts, sent through the official ``openai`` client to a
+``kvserve serve``, started here on its default model (or ``--model``) unless ``--url``
+names a running server.
 
-    start the server (subprocess, --enable-debug-endpoints), wait for /health
+    start the server (subprocess, --enable-debug-endpoints), wait for /health; read
+      /v1/models and /get_server_info (model, random weights, pool, page, context...)
     C workers, each running whole conversations: turn t sends system + history + user_t,
-      streams the reply (TTFT and ITL measured here), appends it, then sends turn t + 1,
-      so later turns extend earlier prompts and conversations share system prompts
+      streams the reply (TTFT and ITL measured here), appends the model's own reply, then
+      sends turn t + 1, so later turns extend earlier prompts and conversations share
+      system prompts (chat_data.py: 4 system prompts, 24 scripts of 6 user turns)
     meanwhile GET /metrics every 0.25 s: running/waiting requests, KV used/cached/total
       tokens, cumulative prefix hit ratio
-    GET /debug/check (the strict checker once idle), summary on stdout, report folder
-      (summary.json, summary.md, timeline.png, timeline.csv, requests.jsonl, server.log)
+    GET /debug/check (the strict checker once idle); summary and sample replies on
+      stdout; report folder (summary.json, summary.md, timeline.png, timeline.csv,
+      requests.jsonl with every request's text and reply, server.log)
     SIGTERM the server, always (errors and Ctrl-C too)
 
-Requests are greedy with ``ignore_eos`` so every reply has exactly its turn's
-``max_tokens`` (drawn in [ceil(M / 2), M]; exact counts; the tiny model's text is
-meaningless anyway). TTFT runs from sending the
-request to the first non-empty content chunk; ITL is the gap between content chunks.
+Requests are greedy (temperature 0: a run is reproducible) and end at the model's end of
+turn ("stop") or at ``max_tokens`` ("length"); the summary counts both. TTFT runs from
+sending the request to the first non-empty content chunk; ITL is the gap between
+content chunks.
+
+Default size, for SmolLM2-135M-Instruct (float32, one torch thread in the engine) on
+this project's 2-core CPU: 24 conversations (each of the 24 scripts once, 6 per system
+prompt) x 4 turns = 96 requests, 12 at once, replies up to 64 tokens (most reach it:
+the model is wordy). Decode throughput there grows with the batch (about 13 output
+tokens/s for one stream, 26 for 8, 41 for 16 on a quiet machine) and so does ITL; 12
+at once keeps ITL p50 near 0.35 s. Measured while other jobs shared the machine (load
+average about 3): about 5,800 output tokens in 234 s, 256 s with the server's start;
+on a quiet machine, about 3 minutes (estimated from the throughput above). The
+longest prompt (turn 4) is about 350 tokens, far inside SmolLM2's 8192-token context.
 
 Exit status: 0 when every request succeeded and the checker was clean (or unavailable:
 a ``--url`` server without debug endpoints); 1 otherwise; 2 when the server could not be
@@ -616,7 +630,8 @@ def plot_timeline(samples: list[MetricsSample], results: list[TurnResult], path:
     lat.set_ylabel("ms per request")
     kv.stackplot(t, [s.kv_used_tokens for s in samples], [s.kv_cached_tokens for s in samples],
                  labels=["used by live requests", "cached (evictable)"], alpha=0.7)
-    kv.plot(t, [s.kv_total_tokens for s in samples], "k--", label="pool total")
+    total = int(samples[-1].kv_total_tokens) if samples else 0
+    kv.plot(t, [s.kv_total_tokens for s in samples], "k--", label=f"pool total ({total})")
     kv.yaxis.set_major_locator(MaxNLocator(integer=True))
     kv.set_ylabel("KV tokens")
     ratio = [None if base is None else _ratio(s.hit_tokens - base.hit_tokens,
@@ -646,8 +661,10 @@ def write_report(report_dir: Path, summary: dict[str, Any], outcome: RunOutcome)
     (report_dir / "summary.md").write_text("\n".join(md))
     with (report_dir / "requests.jsonl").open("w") as f:
         for r in sorted(outcome.results, key=lambda r: (r.conversation, r.turn)):
-            row = {k: v for k, v in asdict(r).items() if k != "text"}
-            row["reply"] = r.text
+            row = {"conversation": r.conversation, "turn": r.turn, "system": r.system,
+                   "user": r.user, "reply": r.text, "finish_reason": r.finish_reason,
+                   **{k: v for k, v in asdict(r).items() if k not in (
+                       "conversation", "turn", "system", "user", "text", "finish_reason")}}
             row["itl_s"] = [round(gap, 6) for gap in r.itl_s]
             f.write(json.dumps(row) + "\n")
     with (report_dir / "timeline.csv").open("w", newline="") as f:

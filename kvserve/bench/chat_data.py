@@ -1,7 +1,7 @@
 """The main job's built-in conversations (``kvserve bench chat``): real English chats
 written for an instruction-tuned model, so its replies can be read.
 
-Four system prompts (about 70-90 tokens each with SmolLM2's tokenizer) are the shared
+Four system prompts (about 60 tokens each with SmolLM2's tokenizer) are the shared
 prefixes: every conversation starts with one of them. Each of the 24 scripts is a topic
 with six user turns, a first question and follow-ups that lean on the earlier answers
 ("Then why...", "Can you turn all this into..."). ``chat_conversations`` in
@@ -11,11 +11,10 @@ with six user turns, a first question and follow-ups that lean on the earlier an
 from __future__ import annotations
 
 SYSTEM_PROMPTS: tuple[str, ...] = (
-    "You are Sam, a friendly and helpful assistant in a chat app. Answer the user's "
-    "questions clearly and correctly, in plain English. Keep answers short: two to four "
-    "sentences unless the user asks for more. When the user asks a follow-up question, use "
-    "what was said earlier in the conversation. If you do not know something, say so "
-    "instead of guessing.",
+    "You are a helpful AI assistant named SmolLM. You give practical, friendly advice on "
+    "travel, health, learning, work, pets and books. Answer clearly and correctly in plain "
+    "English, in two to four sentences unless the user asks for more, and build on what "
+    "was said earlier in the conversation.",
     "You are a patient teacher who helps curious students of all ages. Explain ideas step "
     "by step with simple words and one everyday example. Avoid jargon; when you must use a "
     "technical word, explain it in the same sentence. Keep each answer under one hundred "
@@ -86,7 +85,7 @@ SCRIPTS: tuple[tuple[int, tuple[str, ...]], ...] = (
          "And how do I divide 1/2 by 1/4?",
          "Can you give me a word problem that uses fractions?",
          "What is the answer to that problem?")),
-    (0, ("I want to learn Spanish. Where should I start?",
+    (0, ("How can I learn Spanish as a beginner?",
          "How much time should I spend on it each day?",
          "What are good ways to practise speaking alone?",
          "How do I say 'Where is the train station?' in Spanish?",
@@ -134,7 +133,7 @@ SCRIPTS: tuple[tuple[int, tuple[str, ...]], ...] = (
          "Do places on the equator have seasons?",
          "How long is a year on Mars, and does it have seasons?",
          "Sum up the main idea in two sentences.")),
-    (0, ("We are getting a puppy next month. What do we need?",
+    (0, ("What should I buy before bringing home a new puppy?",
          "How do we start house training?",
          "How often should a puppy eat?",
          "When can the puppy go for walks outside?",
