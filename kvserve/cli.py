@@ -141,27 +141,33 @@ def _add_decode_steady_parser(commands: Subcommands) -> None:
 
 
 def _add_chat_parser(commands: Subcommands) -> None:
+    from kvserve.bench.chat import ChatJobOptions
+
+    defaults = ChatJobOptions()
     chat = commands.add_parser(
         "chat",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         help="the main job: multi-turn chats through the openai client against kvserve serve",
-        description="Start kvserve serve (tiny default model unless --model; or target --url), "
-        "send multi-turn chats with shared system prompts through the official openai client "
-        "(streaming, greedy, ignore_eos), sample /metrics, ask the checker (/debug/check), "
-        "print throughput, TTFT/ITL percentiles, prefix hit ratio and the checker verdict, "
-        "write a report folder with timeline.png, and stop the server. Exit 0 only when no "
-        "request failed and the checker was clean.",
+        description="Start kvserve serve (its default model unless --model; or target --url), "
+        "send built-in multi-turn chats (real questions and follow-ups under 4 shared system "
+        "prompts) through the official openai client (streaming, greedy, replies end at the "
+        "end of turn or at --max-tokens), sample /metrics, ask the checker (/debug/check), "
+        "print the settings, throughput, TTFT/ITL percentiles, prefix hit ratio, checker "
+        "verdict and sample replies, write a report folder with timeline.png, and stop the "
+        "server. Exit 0 only when no request failed and the checker was clean.",
     )
     chat.add_argument("--url", help="a running server (http://host:port) instead of starting "
                       "one; None: start kvserve serve here")
-    chat.add_argument("--model", help="checkpoint folder for the server started here; None: "
-                      "the tiny random-weight model")
-    chat.add_argument("--conversations", type=_positive, default=128, help="conversations")
-    chat.add_argument("--turns", type=_positive, default=6, help="turns per conversation")
-    chat.add_argument("--concurrency", type=_positive, default=16,
+    chat.add_argument("--model", help="model for the server started here (kvserve serve "
+                      "--model); None: its default")
+    chat.add_argument("--conversations", type=_positive, default=defaults.conversations,
+                      help="conversations (96 differ; more repeat them)")
+    chat.add_argument("--turns", type=_positive, default=defaults.turns,
+                      help="user turns per conversation")
+    chat.add_argument("--concurrency", type=_positive, default=defaults.concurrency,
                       help="conversations in flight at once")
-    chat.add_argument("--max-tokens", type=_positive, default=32,
-                      help="longest reply in tokens (each turn's is drawn in [M/2, M])")
+    chat.add_argument("--max-tokens", type=_positive, default=defaults.max_tokens,
+                      help="longest reply in tokens")
     chat.add_argument("--report-dir", help="report folder; None: reports/chat-<time>/ in the "
                       "current folder")
     chat.add_argument("--api-key", help="API key of the --url server")

@@ -1,21 +1,35 @@
-"""The main job (``kvserve bench chat``, ``bash scripts/main.sh``): a multi-turn chat
-workload with shared system prompts, sent through the official ``openai`` client to a
-``kvserve serve``, started here on the tiny default model unless ``--url`` names one.
+"""The main job (``kvserve bench chat``, ``bash scripts/main.sh``): real multi-turn chats
+under shared system prompts, sent through the official ``openai`` client to a
+``kvserve serve``, started here on its default model (or ``--model``) unless ``--url``
+names a running server.
 
-    start the server (subprocess, --enable-debug-endpoints), wait for /health
+    start the server (subprocess, --enable-debug-endpoints), wait for /health; read
+      /v1/models and /get_server_info (model, random weights, pool, page, context...)
     C workers, each running whole conversations: turn t sends system + history + user_t,
-      streams the reply (TTFT and ITL measured here), appends it, then sends turn t + 1,
-      so later turns extend earlier prompts and conversations share system prompts
+      streams the reply (TTFT and ITL measured here), appends the model's own reply, then
+      sends turn t + 1, so later turns extend earlier prompts and conversations share
+      system prompts (chat_data.py: 4 system prompts, 24 scripts of 6 user turns)
     meanwhile GET /metrics every 0.25 s: running/waiting requests, KV used/cached/total
       tokens, cumulative prefix hit ratio
-    GET /debug/check (the strict checker once idle), summary on stdout, report folder
-      (summary.json, summary.md, timeline.png, timeline.csv, requests.jsonl, server.log)
+    GET /debug/check (the strict checker once idle); summary and sample replies on
+      stdout; report folder (summary.json, summary.md, timeline.png, timeline.csv,
+      requests.jsonl with every request's text and reply, server.log)
     SIGTERM the server, always (errors and Ctrl-C too)
 
-Requests are greedy with ``ignore_eos`` so every reply has exactly its turn's
-``max_tokens`` (drawn in [ceil(M / 2), M]; exact counts; the tiny model's text is
-meaningless anyway). TTFT runs from sending the
-request to the first non-empty content chunk; ITL is the gap between content chunks.
+Requests are greedy (temperature 0: a run is reproducible) and end at the model's end of
+turn ("stop") or at ``max_tokens`` ("length"); the summary counts both. TTFT runs from
+sending the request to the first non-empty content chunk; ITL is the gap between
+content chunks.
+
+Default size, for SmolLM2-135M-Instruct (float32, one torch thread in the engine) on
+this project's 2-core CPU: 24 conversations (each of the 24 scripts once, 6 per system
+prompt) x 4 turns = 96 requests, 12 at once, replies up to 64 tokens (most reach it:
+the model is wordy). Decode throughput there grows with the batch (about 13 output
+tokens/s for one stream, 26 for 8, 41 for 16 on a quiet machine) and so does ITL; 12
+at once keeps ITL p50 near 0.35 s. Measured while other jobs shared the machine (load
+average about 3): about 5,800 output tokens in 234 s, 256 s with the server's start;
+on a quiet machine, about 3 minutes (estimated from the throughput above). The
+longest prompt (turn 4) is about 350 tokens, far inside SmolLM2's 8192-token context.
 
 Exit status: 0 when every request succeeded and the checker was clean (or unavailable:
 a ``--url`` server without debug endpoints); 1 otherwise; 2 when the server could not be
@@ -27,8 +41,10 @@ from __future__ import annotations
 import asyncio
 import csv
 import json
-import random
+import os
+import platform
 import signal
+import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -37,12 +53,21 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvserve.bench.chat_data import EXTRA_TURNS, SCRIPTS, SYSTEM_PROMPTS
 from kvserve.bench.stats import percentile
 from kvserve.server.process import ServerProcess, ServerStartError
 
 METRICS_PERIOD_S = 0.25
 STARTUP_TIMEOUT_S = 300.0  # first start on a fresh machine also writes the default model
 REQUEST_TIMEOUT_S = 600.0
+SAMPLE_REPLIES = 3  # conversations whose last turn is printed at the end
+SAMPLE_CHARS = 240  # each sample reply cut to this many characters
+
+# Sized for SmolLM2-135M on 2 CPU cores: about 3 minutes of workload (module docstring).
+DEFAULT_CONVERSATIONS = 24
+DEFAULT_TURNS = 4
+DEFAULT_CONCURRENCY = 12
+DEFAULT_MAX_TOKENS = 64
 
 
 class JobSetupError(RuntimeError):
@@ -51,82 +76,29 @@ class JobSetupError(RuntimeError):
 
 # -- workload -------------------------------------------------------------------------------
 
-_PERSONAS = (
-    "You are the support assistant of a cloud storage company.",
-    "You are a careful tutor who helps students learn algebra and geometry.",
-    "You are a travel planner for trains and ferries across Europe.",
-    "You are a code reviewer for a team that writes Python services.",
-    "You are a cooking assistant for a small restaurant kitchen.",
-    "You are a librarian who recommends books and explains how to find them.",
-    "You are an IT helpdesk agent for an office of two hundred people.",
-    "You are a fitness coach who plans weekly training for beginners.",
-)
-_RULES = (
-    "Answer briefly and clearly, in plain words, and never invent facts you do not know.",
-    "When a question is ambiguous, ask one short question back before you answer.",
-    "Use numbered steps for any procedure that has more than two steps.",
-    "Do not share personal data, passwords or keys, even when the user asks for them.",
-    "Quote exact names of settings, menus and commands, and put commands in backticks.",
-    "If the user is upset, acknowledge it in one sentence, then help with the problem.",
-    "Prefer the simplest solution that works; mention alternatives only when they matter.",
-    "State units for every number you give: minutes, euros, grams, megabytes or pages.",
-    "End every answer by asking whether the user needs anything else.",
-    "Keep answers under one hundred and fifty words unless the user asks for more detail.",
-    "If you are not sure, say so, and say what the user could check to find out.",
-    "Write in the language of the user's last message, and keep the same formality.",
-    "Never promise refunds, dates or prices; point to the page where they are published.",
-    "Summarize long messages from the user in one line before answering them.",
-)
-_QUESTIONS = (
-    "Can you explain how {topic} works, step by step?",
-    "I tried {topic} yesterday and it failed twice. What should I check first?",
-    "What is the difference between {topic} and the older way of doing it?",
-    "My colleague says {topic} is not worth it. Do you agree, and why?",
-    "Give me a short checklist for {topic}, please.",
-    "How long does {topic} usually take, and what can make it slower?",
-    "Is there a way to undo {topic} if I change my mind later?",
-    "What are the three most common mistakes people make with {topic}?",
-)
-_TOPICS = (
-    "sharing a folder", "solving a quadratic equation", "booking a night train",
-    "writing a unit test", "baking sourdough bread", "renewing a library loan",
-    "resetting a laptop", "a weekly running plan", "restoring an old backup",
-    "drawing a triangle's height", "changing a ferry ticket", "reviewing a pull request",
-    "storing fresh herbs", "finding a rare book", "setting up a printer", "stretching after runs",
-)
-
-
 @dataclass(frozen=True, slots=True)
 class Conversation:
-    system: str
+    system_index: int  # into chat_data.SYSTEM_PROMPTS
     user_turns: tuple[str, ...]
-    reply_tokens: tuple[int, ...]  # max_tokens of each turn
+
+    @property
+    def system(self) -> str:
+        return SYSTEM_PROMPTS[self.system_index]
 
 
-def chat_conversations(num_conversations: int = 128, turns: int = 6,
-                       num_system_prompts: int = 6, max_tokens: int = 32,
-                       seed: int = 0) -> list[Conversation]:
-    """Text version of W1's synthetic multi-turn chat (``workloads.synthetic_multiturn_
-    prompts``): ``num_system_prompts`` system prompts of about 500-900 characters, each
-    conversation one of them plus ``turns`` user messages (about 60-200 characters, each
-    with a ticket number so conversations differ) and reply lengths drawn in
-    [ceil(max_tokens / 2), max_tokens] (varied lengths keep conversations from moving in
-    lockstep). Deterministic for a given seed."""
-    rng = random.Random(seed)
-    low = (max_tokens + 1) // 2
-    systems = []
-    for i in range(num_system_prompts):
-        persona = _PERSONAS[i % len(_PERSONAS)]
-        rules = rng.sample(_RULES, rng.randrange(6, 10))
-        systems.append(" ".join([persona, *rules]))
-
-    def user_message() -> str:
-        question = rng.choice(_QUESTIONS).format(topic=rng.choice(_TOPICS))
-        return f"Ticket {rng.randrange(10_000, 100_000)}. {question}"
-
-    return [Conversation(rng.choice(systems), tuple(user_message() for _ in range(turns)),
-                         tuple(rng.randint(low, max_tokens) for _ in range(turns)))
-            for _ in range(num_conversations)]
+def chat_conversations(num_conversations: int = DEFAULT_CONVERSATIONS,
+                       turns: int = DEFAULT_TURNS) -> list[Conversation]:
+    """The built-in chats of ``chat_data``: conversation k is script ``k % 24`` with
+    ``turns`` user turns (its six, then generic follow-ups), under the script's system
+    prompt shifted by ``k // 24``: the first 96 conversations differ (4 system prompts x
+    24 scripts), later ones repeat them. Deterministic; no randomness."""
+    convs = []
+    for k in range(num_conversations):
+        system, script = SCRIPTS[k % len(SCRIPTS)]
+        extra = EXTRA_TURNS * (turns // len(EXTRA_TURNS) + 1)
+        convs.append(Conversation((system + k // len(SCRIPTS)) % len(SYSTEM_PROMPTS),
+                                  (*script, *extra)[:turns]))
+    return convs
 
 
 # -- measurements ---------------------------------------------------------------------------
@@ -139,13 +111,16 @@ class TurnResult:
     turn: int
     start_s: float
     max_tokens: int
+    system: str = ""  # the conversation's system prompt
+    user: str = ""  # this turn's user message (the history before it is the earlier turns)
     end_s: float = 0.0
     ttft_s: float | None = None
     itl_s: list[float] = field(default_factory=list)
     prompt_tokens: int = 0
     cached_tokens: int = 0
     completion_tokens: int = 0
-    text: str = ""
+    finish_reason: str | None = None  # "stop" (EOS or a stop string), "length", "abort"
+    text: str = ""  # the assistant's reply
     error: str | None = None
 
 
@@ -185,24 +160,84 @@ def parse_metrics(text: str, t_s: float) -> MetricsSample | None:
     return MetricsSample(t_s, **{f: float(values.get(n, 0.0)) for f, n in _SAMPLE_NAMES.items()})
 
 
-# -- server ---------------------------------------------------------------------------------
+# -- server and machine ---------------------------------------------------------------------
 
-def _target(url: str, api_key: str | None) -> tuple[str, str]:
-    """(model id, model path or id) of a running server; raises JobSetupError."""
+def _get_json(url: str, path: str, api_key: str | None) -> Any:
+    """GET ``url + path`` as JSON; raises JobSetupError when unreachable or not 200."""
     import httpx
 
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
-        r = httpx.get(url + "/v1/models", headers=headers, timeout=10)
+        r = httpx.get(url + path, headers=headers, timeout=10)
     except (httpx.HTTPError, httpx.InvalidURL) as err:
         raise JobSetupError(f"cannot reach {url}: {err or type(err).__name__}") from None
     if r.status_code != 200:
-        raise JobSetupError(f"GET {url}/v1/models answered {r.status_code}: {r.text[:200]}")
+        raise JobSetupError(f"GET {url}{path} answered {r.status_code}: {r.text[:200]}")
     try:
-        model = r.json()["data"][0]
-        return str(model["id"]), str(model.get("root") or model["id"])
-    except (ValueError, KeyError, IndexError, TypeError):
-        raise JobSetupError(f"GET {url}/v1/models: no model in {r.text[:200]!r}") from None
+        return r.json()
+    except ValueError:
+        raise JobSetupError(f"GET {url}{path}: not JSON: {r.text[:200]!r}") from None
+
+
+def server_facts(url: str, api_key: str | None) -> dict[str, Any]:
+    """What the report says about the server: /v1/models (id, path, random_weights)
+    and the engine settings of /get_server_info (kvserve's ``EngineCore.rpc("info")``,
+    SGLang's names); a setting the server does not report is None. Raises JobSetupError."""
+    models = _get_json(url, "/v1/models", api_key)
+    try:
+        model = models["data"][0]
+        facts: dict[str, Any] = {"model": str(model["id"]),
+                                 "model_path": str(model.get("root") or model["id"]),
+                                 "random_weights": model.get("random_weights")}
+    except (KeyError, IndexError, TypeError):
+        raise JobSetupError(f"GET {url}/v1/models: no model in {str(models)[:200]!r}") from None
+    try:
+        info = _get_json(url, "/get_server_info", api_key)
+    except JobSetupError:  # not every OpenAI server has it
+        info = {}
+    radix = info.get("disable_radix_cache")
+    facts.update({
+        "kv_pool_tokens": info.get("max_total_num_tokens"),
+        "page_size": info.get("page_size"),
+        "context_len": info.get("context_len", model.get("max_model_len")),
+        "max_running_requests": info.get("max_running_requests"),
+        "chunked_prefill_size": info.get("chunked_prefill_size"),
+        "schedule_policy": info.get("schedule_policy"),
+        "radix_cache": None if radix is None else not radix,
+        "device": info.get("device"), "dtype": info.get("dtype"),
+        "torch_version": info.get("torch_version"),
+        "torch_threads": info.get("torch_num_threads"),
+    })
+    return facts
+
+
+def machine_facts() -> dict[str, Any]:
+    """This machine (where the client runs, and the server when started here)."""
+    cpu = platform.processor() or platform.machine()
+    with suppress(OSError), open("/proc/cpuinfo") as f:
+        cpu = next((line.split(":", 1)[1].strip() for line in f
+                    if line.startswith("model name")), cpu)
+    cores = (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+             else os.cpu_count())
+    return {"cpu": cpu, "cores": cores, "os": platform.platform(),
+            "python": platform.python_version()}
+
+
+def git_commit() -> str:
+    """The commit of the kvserve checkout being run (``+dirty`` with uncommitted changes),
+    or "unknown" outside a git checkout."""
+    source = Path(__file__).resolve().parents[2]
+    try:
+        head = subprocess.run(["git", "-C", str(source), "rev-parse", "--short=12", "HEAD"],
+                              capture_output=True, text=True, timeout=10)
+        dirty = subprocess.run(["git", "-C", str(source), "status", "--porcelain",
+                                "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    if head.returncode != 0:
+        return "unknown"
+    return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
 
 
 # -- the workload run -----------------------------------------------------------------------
@@ -210,13 +245,11 @@ def _target(url: str, api_key: str | None) -> tuple[str, str]:
 @dataclass
 class ChatJobOptions:
     url: str | None = None  # None: start a server here
-    model: str | None = None  # checkpoint folder for the server started here
-    conversations: int = 128
-    turns: int = 6
-    concurrency: int = 16
-    max_tokens: int = 32
-    system_prompts: int = 6
-    seed: int = 0
+    model: str | None = None  # checkpoint for the server started here; None: its default
+    conversations: int = DEFAULT_CONVERSATIONS
+    turns: int = DEFAULT_TURNS
+    concurrency: int = DEFAULT_CONCURRENCY
+    max_tokens: int = DEFAULT_MAX_TOKENS
     report_dir: str | None = None  # default reports/chat-<time>/ in the current folder
     api_key: str | None = None
     progress: bool = True
@@ -243,8 +276,7 @@ async def _send_turn(client: Any, model: str, messages: list[Any], result: TurnR
     try:
         stream = await client.chat.completions.create(
             model=model, messages=messages, max_tokens=result.max_tokens, temperature=0,
-            stream=True, stream_options={"include_usage": True},
-            extra_body={"ignore_eos": True})
+            stream=True, stream_options={"include_usage": True})
         async for chunk in stream:
             now = time.perf_counter()
             if chunk.usage is not None:
@@ -252,6 +284,8 @@ async def _send_turn(client: Any, model: str, messages: list[Any], result: TurnR
                 result.completion_tokens = chunk.usage.completion_tokens
                 details = chunk.usage.prompt_tokens_details
                 result.cached_tokens = (details.cached_tokens or 0) if details else 0
+            for choice in chunk.choices:
+                result.finish_reason = choice.finish_reason or result.finish_reason
             text = "".join(c.delta.content or "" for c in chunk.choices)
             if text:
                 if last is None:
@@ -266,13 +300,16 @@ async def _send_turn(client: Any, model: str, messages: list[Any], result: TurnR
     result.text = "".join(parts)
 
 
-async def _conversation(client: Any, model: str, index: int, conv: Conversation, t0: float,
-                        results: list[TurnResult], bar: Any) -> int:
-    """Run one conversation's turns in order; returns the turns skipped after a failure."""
+async def _conversation(client: Any, model: str, index: int, conv: Conversation,
+                        max_tokens: int, t0: float, results: list[TurnResult],
+                        bar: Any) -> int:
+    """Run one conversation's turns in order, each re-sending the history with the
+    model's own replies; returns the turns skipped after a failure."""
     messages: list[Any] = [{"role": "system", "content": conv.system}]
     for turn, user in enumerate(conv.user_turns):
         messages.append({"role": "user", "content": user})
-        result = TurnResult(index, turn, time.perf_counter() - t0, conv.reply_tokens[turn])
+        result = TurnResult(index, turn, time.perf_counter() - t0, max_tokens, conv.system,
+                            user)
         await _send_turn(client, model, messages, result, t0)
         results.append(result)
         bar.update(1)
@@ -340,8 +377,8 @@ async def run_workload(url: str, model: str, convs: list[Conversation],
                 skipped = 0
                 while queue:
                     index, conv = queue.pop()
-                    skipped += await _conversation(client, model, index, conv, t0, results,
-                                                   bar)
+                    skipped += await _conversation(client, model, index, conv,
+                                                   opts.max_tokens, t0, results, bar)
                 return skipped
 
             sampler = asyncio.create_task(_sample_metrics(http, t0, samples, done))
@@ -389,8 +426,18 @@ def _ms(values: list[float]) -> dict[str, float | None]:
             for p in (50, 90, 99)}
 
 
-def summarize(outcome: RunOutcome, opts: ChatJobOptions, url: str, model: str,
-              server_exit: int | None) -> dict[str, Any]:
+def _one_line(text: str, limit: int = SAMPLE_CHARS) -> str:
+    """``text`` on one line (whitespace runs become one space, other unprintable
+    characters escapes such as ``\\x1b``: a random model's noise must not drive the
+    terminal), cut to ``limit`` chars."""
+    flat = "".join(ch if ch.isprintable() else ascii(ch)[1:-1] for ch in " ".join(text.split()))
+    return flat if len(flat) <= limit else flat[:limit - 3].rstrip() + "..."
+
+
+def summarize(outcome: RunOutcome, opts: ChatJobOptions, url: str, facts: dict[str, Any],
+              server_exit: int | None, machine: dict[str, Any] | None = None,
+              commit: str | None = None) -> dict[str, Any]:
+    """summary.json's content (times in ms or s as named, token counts exact)."""
     results = outcome.results
     ok = [r for r in results if r.error is None]
     errors = [r for r in results if r.error is not None]
@@ -398,6 +445,9 @@ def summarize(outcome: RunOutcome, opts: ChatJobOptions, url: str, model: str,
     output_tokens = sum(r.completion_tokens for r in ok)
     prompt_client = sum(r.prompt_tokens for r in ok)
     cached_client = sum(r.cached_tokens for r in ok)
+    finish: dict[str, int] = {"stop": 0, "length": 0}
+    for r in ok:
+        finish[r.finish_reason or "none"] = finish.get(r.finish_reason or "none", 0) + 1
     before, after = outcome.before, outcome.after
     server_counts: dict[str, Any] = {"prompt_tokens": None, "hit_tokens": None,
                                      "hit_ratio": None, "retractions": None}
@@ -408,20 +458,29 @@ def summarize(outcome: RunOutcome, opts: ChatJobOptions, url: str, model: str,
                          "hit_ratio": _ratio(hit, prompt),
                          "retractions": int(after.retractions - before.retractions)}
     clean, verdict = checker_verdict(outcome.check)
+    last_turns = {r.conversation: r for r in sorted(ok, key=lambda r: r.turn)}
+    samples = [{"conversation": r.conversation, "turn": r.turn, "user": r.user,
+                "reply": _one_line(r.text), "finish_reason": r.finish_reason}
+               for _, r in sorted(last_turns.items())[:SAMPLE_REPLIES]]
     return {
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "commit": commit or git_commit(),
+        "machine": machine or machine_facts(),
         "workload": {"conversations": opts.conversations, "turns": opts.turns,
                      "concurrency": opts.concurrency, "max_tokens": opts.max_tokens,
-                     "system_prompts": opts.system_prompts, "seed": opts.seed},
-        "server": {"url": url, "model": model, "started_here": opts.url is None,
-                   "exit_status": server_exit},
+                     "system_prompts": len({c.system_index for c in chat_conversations(
+                         opts.conversations, 1)}),
+                     "temperature": 0.0, "stream": True},
+        "server": {"url": url, "started_here": opts.url is None, "exit_status": server_exit,
+                   **facts},
         "requests": len(results),
         "errors": len(errors),
         "skipped_turns": outcome.skipped,
         "first_errors": [f"conversation {r.conversation} turn {r.turn}: {r.error}"
                          for r in errors[:5]],
+        "finish_reasons": finish,
         "wall_s": round(wall, 3),
         "output_tokens": output_tokens,
-        "requested_output_tokens": sum(r.max_tokens for r in ok),  # = output_tokens here
         "output_tokens_per_s": round(output_tokens / wall, 2) if wall > 0 else None,
         "requests_per_s": round(len(ok) / wall, 3) if wall > 0 else None,
         "ttft_ms": _ms([r.ttft_s for r in ok if r.ttft_s is not None]),
@@ -434,6 +493,7 @@ def summarize(outcome: RunOutcome, opts: ChatJobOptions, url: str, model: str,
         "retractions": server_counts["retractions"],
         "checker": {"available": clean is not None, "clean": clean, "verdict": verdict,
                     "violations": list((outcome.check or {}).get("violations") or [])},
+        "sample_replies": samples,
         "ok": (not errors and outcome.skipped == 0 and clean is not False
                and server_exit in (None, 0)),
     }
@@ -443,25 +503,44 @@ def _fmt(value: float | None, spec: str = ".1f") -> str:
     return "n/a" if value is None else format(value, spec)
 
 
+def _weights(random_weights: bool | None) -> str:
+    if random_weights is None:
+        return "weights unknown"
+    return "RANDOM weights: the text is noise" if random_weights else "real weights"
+
+
 def summary_lines(s: dict[str, Any]) -> list[str]:
     """The printed summary (summary.md holds the same lines)."""
-    w, pc = s["workload"], s["prefix_cache"]
-    srv, cli = pc["server"], pc["client"]
+    w, pc, srv, m = s["workload"], s["prefix_cache"], s["server"], s["machine"]
+    hits, cli = pc["server"], pc["client"]
     ttft, itl = s["ttft_ms"], s["itl_ms"]
-    hit_server = (f"{_fmt(srv['hit_ratio'], '.3f')} (server counters: {srv['hit_tokens']} of "
-                  f"{srv['prompt_tokens']} prompt tokens)")
+    radix = {True: "on", False: "off"}.get(srv["radix_cache"], "n/a")
+    threads = srv["torch_threads"]
+    hit_server = (f"{_fmt(hits['hit_ratio'], '.3f')} (server counters: {hits['hit_tokens']} "
+                  f"of {hits['prompt_tokens']} prompt tokens)")
     hit_client = (f"{_fmt(cli['hit_ratio'], '.3f')} (usage.cached_tokens: "
                   f"{cli['cached_tokens']} of {cli['prompt_tokens']} prompt tokens)")
     errors = str(s["errors"])
     if s["skipped_turns"]:
         errors += f" ({s['skipped_turns']} later turns skipped)"
+    ended = ", ".join(f"{k} {v}" for k, v in s["finish_reasons"].items())
     return [
+        f"date              {s['date']}, commit {s['commit']}",
+        f"machine           {m['cpu']}, {m['cores']} cores; torch {srv['torch_version'] or 'n/a'}"
+        f" with {_fmt(threads, 'd')} thread(s) in the server",
+        f"server            {srv['url']}, model {srv['model']} ({srv['model_path']}), "
+        f"{_weights(srv['random_weights'])}",
+        f"engine            KV pool {_fmt(srv['kv_pool_tokens'], 'd')} tokens, page "
+        f"{_fmt(srv['page_size'], 'd')}, context {_fmt(srv['context_len'], 'd')}, max running "
+        f"{_fmt(srv['max_running_requests'], 'd')}, chunked prefill "
+        f"{_fmt(srv['chunked_prefill_size'], 'd')}, policy {srv['schedule_policy'] or 'n/a'}, "
+        f"radix cache {radix}, {srv['device'] or 'n/a'} {srv['dtype'] or ''}".rstrip(),
         f"workload          {w['conversations']} conversations x {w['turns']} turns, "
         f"{w['system_prompts']} shared system prompts, concurrency {w['concurrency']}, "
-        f"replies of {(w['max_tokens'] + 1) // 2}-{w['max_tokens']} tokens",
-        f"server            {s['server']['url']} (model {s['server']['model']})",
+        f"max_tokens {w['max_tokens']}, greedy, streaming",
         f"requests          {s['requests']}",
         f"errors            {errors}",
+        f"replies ended     {ended} (stop: end of turn; length: max_tokens reached)",
         f"wall time         {s['wall_s']:.1f} s",
         f"output tokens/s   {_fmt(s['output_tokens_per_s'])} ({s['output_tokens']} tokens)",
         f"requests/s        {_fmt(s['requests_per_s'], '.2f')}",
@@ -473,26 +552,87 @@ def summary_lines(s: dict[str, Any]) -> list[str]:
         f"                  {hit_client}",
         f"retractions       {_fmt(s['retractions'], 'd')}",
         f"checker verdict   {s['checker']['verdict']}",
-        *([f"server exit       status {s['server']['exit_status']} after SIGTERM"]
-          if s["server"]["exit_status"] not in (None, 0) else []),
+        *([f"server exit       status {srv['exit_status']} after SIGTERM"]
+          if srv["exit_status"] not in (None, 0) else []),
         *(f"error             {e}" for e in s["first_errors"]),
     ]
 
 
-def plot_timeline(samples: list[MetricsSample], path: Path, title: str) -> None:
-    """timeline.png: running + waiting requests; KV used/cached vs total; hit ratio."""
+def sample_lines(s: dict[str, Any]) -> list[str]:
+    """A few conversations' last user turn and reply (one line each, cut)."""
+    if not s["sample_replies"]:
+        return []
+    lines = [f"sample replies (last turn of {len(s['sample_replies'])} conversations; every "
+             "request and reply is in requests.jsonl)"]
+    for sample in s["sample_replies"]:
+        lines += [f"  [conversation {sample['conversation']}, turn {sample['turn'] + 1}] user: "
+                  f"{sample['user']}",
+                  f"    assistant ({sample['finish_reason']}): {sample['reply']}"]
+    return lines
+
+
+def _throughput(results: list[TurnResult], bin_s: float) -> tuple[list[float], list[float]]:
+    """(bin starts in s, output tokens/s per bin) from each reply's chunk times; a reply's
+    tokens are spread evenly over its content chunks."""
+    bins: dict[int, float] = {}
+    for r in results:
+        if r.ttft_s is None or r.error is not None:
+            continue
+        t = r.start_s + r.ttft_s
+        times = [t]
+        for gap in r.itl_s:
+            t += gap
+            times.append(t)
+        for at in times:
+            key = int(at // bin_s)
+            bins[key] = bins.get(key, 0.0) + r.completion_tokens / len(times)
+    if not bins:
+        return [], []
+    keys = range(max(bins) + 1)
+    return [k * bin_s for k in keys], [bins.get(k, 0.0) / bin_s for k in keys]
+
+
+def plot_timeline(samples: list[MetricsSample], results: list[TurnResult], path: Path,
+                  title: str, concurrency: int) -> None:
+    """timeline.png, five panels over the same time axis: running + waiting requests
+    (the client's concurrency limit dashed); output tokens/s; TTFT and median ITL per
+    request; KV used/cached vs total; cumulative prefix hit ratio."""
     from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
 
     base = samples[0] if samples else None
     t = [s.t_s for s in samples]
-    fig = Figure(figsize=(9, 8), layout="constrained")
-    reqs, kv, hits = fig.subplots(3, 1, sharex=True)
+    fig = Figure(figsize=(12, 13), layout="constrained")
+    reqs, tput, lat, kv, hits = fig.subplots(5, 1, sharex=True)
     reqs.plot(t, [s.running for s in samples], label="running")
     reqs.plot(t, [s.waiting for s in samples], label="waiting")
+    reqs.axhline(concurrency, color="tab:red", linestyle="--",
+                 label=f"client concurrency ({concurrency})")
+    reqs.set_ylim(0, max([concurrency, *(s.running + s.waiting for s in samples)]) * 1.15)
+    reqs.yaxis.set_major_locator(MaxNLocator(integer=True))
     reqs.set_ylabel("requests")
+    wall = max((r.end_s for r in results), default=0.0)
+    bin_s = max(2.0, round(wall / 40))  # a 400 ms ITL makes 1 s bins jumpy
+    starts, rates = _throughput(results, bin_s)
+    tput.step(starts, rates, where="post", color="tab:purple",
+              label=f"output tokens/s ({bin_s:.0f} s bins)")
+    tput.set_ylim(bottom=0)
+    tput.set_ylabel("tokens/s")
+    done = [r for r in results if r.error is None and r.ttft_s is not None]
+    lat.scatter([r.start_s + (r.ttft_s or 0.0) for r in done],
+                [(r.ttft_s or 0.0) * 1000 for r in done], s=10, label="TTFT (at first token)")
+    with_itl = [r for r in done if r.itl_s]
+    lat.scatter([r.end_s for r in with_itl],
+                [percentile(r.itl_s, 50) * 1000 for r in with_itl], s=10, marker="x",
+                label="median ITL of the reply (at its end)")
+    if done:
+        lat.set_yscale("log")
+    lat.set_ylabel("ms per request")
     kv.stackplot(t, [s.kv_used_tokens for s in samples], [s.kv_cached_tokens for s in samples],
                  labels=["used by live requests", "cached (evictable)"], alpha=0.7)
-    kv.plot(t, [s.kv_total_tokens for s in samples], "k--", label="pool total")
+    total = int(samples[-1].kv_total_tokens) if samples else 0
+    kv.plot(t, [s.kv_total_tokens for s in samples], "k--", label=f"pool total ({total})")
+    kv.yaxis.set_major_locator(MaxNLocator(integer=True))
     kv.set_ylabel("KV tokens")
     ratio = [None if base is None else _ratio(s.hit_tokens - base.hit_tokens,
                                                s.prompt_tokens - base.prompt_tokens)
@@ -502,9 +642,10 @@ def plot_timeline(samples: list[MetricsSample], path: Path, title: str) -> None:
     hits.set_ylim(0, 1)
     hits.set_ylabel("hit ratio")
     hits.set_xlabel("seconds since the workload started")
-    for ax in (reqs, kv, hits):
+    for ax in (reqs, tput, lat, kv, hits):
         ax.grid(alpha=0.3)
-        ax.legend(loc="upper left", fontsize="small")
+        # outside the axes: the first seconds (TTFT of the first wave) stay visible
+        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize="small")
     fig.suptitle(title)
     fig.savefig(path, dpi=100)
 
@@ -512,12 +653,18 @@ def plot_timeline(samples: list[MetricsSample], path: Path, title: str) -> None:
 def write_report(report_dir: Path, summary: dict[str, Any], outcome: RunOutcome) -> None:
     (report_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     md = ["# kvserve bench chat", "", "```", *summary_lines(summary), "```", "",
-          "timeline.png: running and waiting requests, KV tokens, cumulative prefix hit "
-          "ratio (GET /metrics every 0.25 s). requests.jsonl: one line per request.", ""]
+          "```", *sample_lines(summary), "```", "",
+          "timeline.png: running and waiting requests, output tokens/s, TTFT and ITL per "
+          "request, KV tokens, cumulative prefix hit ratio (GET /metrics every "
+          f"{METRICS_PERIOD_S} s). requests.jsonl: one line per request, with its system "
+          "prompt, user message and reply.", ""]
     (report_dir / "summary.md").write_text("\n".join(md))
     with (report_dir / "requests.jsonl").open("w") as f:
         for r in sorted(outcome.results, key=lambda r: (r.conversation, r.turn)):
-            row = {k: v for k, v in asdict(r).items() if k != "text"}
+            row = {"conversation": r.conversation, "turn": r.turn, "system": r.system,
+                   "user": r.user, "reply": r.text, "finish_reason": r.finish_reason,
+                   **{k: v for k, v in asdict(r).items() if k not in (
+                       "conversation", "turn", "system", "user", "text", "finish_reason")}}
             row["itl_s"] = [round(gap, 6) for gap in r.itl_s]
             f.write(json.dumps(row) + "\n")
     with (report_dir / "timeline.csv").open("w", newline="") as f:
@@ -526,10 +673,10 @@ def write_report(report_dir: Path, summary: dict[str, Any], outcome: RunOutcome)
         writer.writerows([round(s.t_s, 3), *(int(getattr(s, name))
                                              for name in MetricsSample.__slots__[1:])]
                          for s in outcome.samples)
-    w = summary["workload"]
-    plot_timeline(outcome.samples, report_dir / "timeline.png",
-                  f"kvserve bench chat: {w['conversations']} conversations x {w['turns']} "
-                  f"turns, concurrency {w['concurrency']}")
+    w, srv = summary["workload"], summary["server"]
+    plot_timeline(outcome.samples, outcome.results, report_dir / "timeline.png",
+                  f"kvserve bench chat: {srv['model']}, {w['conversations']} conversations x "
+                  f"{w['turns']} turns, concurrency {w['concurrency']}", w["concurrency"])
 
 
 @contextmanager
@@ -557,8 +704,7 @@ def run_chat_job(opts: ChatJobOptions) -> int:
     except OSError as err:
         print(f"kvserve: cannot create the report folder {report_dir}: {err}", file=sys.stderr)
         return 2
-    convs = chat_conversations(opts.conversations, opts.turns, opts.system_prompts,
-                               opts.max_tokens, opts.seed)
+    convs = chat_conversations(opts.conversations, opts.turns)
     server: ServerProcess | None = None
     server_exit: int | None = None
     with _sigterm_as_interrupt():
@@ -573,10 +719,12 @@ def run_chat_job(opts: ChatJobOptions) -> int:
                 url = server.url
             else:
                 url = opts.url.rstrip("/").removesuffix("/v1")
-            model, model_path = _target(url, opts.api_key)
+            facts = server_facts(url, opts.api_key)
             print(f"kvserve: {len(convs)} conversations x {opts.turns} turns to {url} (model "
-                  f"{model_path}), concurrency {opts.concurrency}", file=sys.stderr, flush=True)
-            outcome = asyncio.run(run_workload(url, model, convs, opts))
+                  f"{facts['model_path']}, {_weights(facts['random_weights'])}), concurrency "
+                  f"{opts.concurrency}, max_tokens {opts.max_tokens}", file=sys.stderr,
+                  flush=True)
+            outcome = asyncio.run(run_workload(url, facts["model"], convs, opts))
         except (JobSetupError, ServerStartError) as err:
             print(f"kvserve: {err}", file=sys.stderr)
             return 2
@@ -586,9 +734,9 @@ def run_chat_job(opts: ChatJobOptions) -> int:
         finally:
             if server is not None:
                 server_exit = server.stop()
-    summary = summarize(outcome, opts, url, model_path, server_exit)
+    summary = summarize(outcome, opts, url, facts, server_exit)
     write_report(report_dir, summary, outcome)
-    print("\n".join(summary_lines(summary)))
+    print("\n".join([*summary_lines(summary), *sample_lines(summary)]))
     print(f"report            {report_dir}/ (summary.json, summary.md, timeline.png, "
           f"timeline.csv, requests.jsonl"
           f"{', server.log' if server else ''})", flush=True)

@@ -143,6 +143,7 @@ class EngineCore:
         self.scheduler.stop_string_matcher = self._match_stop
         self.model_path = str(model_path)
         self.context_len = context_len
+        self.device, self.dtype = device, dtype
         self.max_queued_requests = args.max_queued_requests
         self.queue_full = 0
         self._pending_checks: list[tuple[int, float]] = []  # (tag, deadline)
@@ -188,6 +189,7 @@ class EngineCore:
             return True
         if method == "info":
             alloc = self.scheduler.pools.allocator
+            cfg = self.scheduler.config
             return {"model_path": self.model_path, "model_name": self.model.name,
                     "random_weights": self.model.random_weights,
                     "model_source": self.model.source, "context_len": self.context_len,
@@ -195,7 +197,14 @@ class EngineCore:
                     "architectures": [self.runner.config.architecture],
                     "max_total_num_tokens": alloc.size, "page_size": alloc.page_size,
                     "max_running_requests": self.scheduler.config.max_running_requests,
-                    "max_queued_requests": self.max_queued_requests}
+                    "max_queued_requests": self.max_queued_requests,
+                    # engine settings as SGLang's server_args name them, for reports
+                    "chunked_prefill_size": cfg.chunked_prefill_size,
+                    "schedule_policy": cfg.schedule_policy,
+                    "disable_radix_cache": cfg.disable_radix_cache,
+                    "device": self.device, "dtype": str(self.dtype).removeprefix("torch."),
+                    "torch_version": torch.__version__,
+                    "torch_num_threads": torch.get_num_threads()}
         raise ValueError(f"unknown engine query {method!r}")
 
     def check(self) -> dict[str, Any]:
