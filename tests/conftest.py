@@ -5,6 +5,7 @@ import os
 # order pytest collects them in).
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import pytest
 from hypothesis import HealthCheck, settings
 
 # CI: reproducible examples, no per-example deadline (2-core machines vary).
@@ -18,3 +19,12 @@ settings.register_profile(
     suppress_health_check=[HealthCheck.too_slow],
 )
 settings.load_profile(os.environ.get("KVSERVE_HYPOTHESIS", "ci"))
+
+
+@pytest.fixture(scope="session")
+def ckpt(tmp_path_factory):
+    """A tiny-qwen2 checkpoint (random weights), written once per session; a module may
+    define its own ``ckpt`` for another shape."""
+    from kvserve.model.init import init_model
+
+    return init_model(tmp_path_factory.mktemp("m") / "tiny-qwen2", "tiny-qwen2")

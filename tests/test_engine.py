@@ -8,15 +8,9 @@ from transformers import AutoTokenizer
 from kvserve import Engine, SamplingParams
 from kvserve.cli import main
 from kvserve.model.config import ModelLoadError
-from kvserve.model.init import init_model
 from kvserve.sched.req import RequestRejected
 
 PROMPT = "Hello world! The quick brown fox"
-
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    return init_model(tmp_path_factory.mktemp("m") / "tiny-qwen2", "tiny-qwen2")
 
 
 @pytest.fixture(scope="module")

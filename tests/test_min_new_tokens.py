@@ -5,7 +5,6 @@ limits do. Scripted runtime and the tiny real model, checker strict."""
 import pytest
 
 from kvserve import Engine
-from kvserve.model.init import init_model
 from kvserve.sched.req import FinishKind, RequestRejected
 from kvserve.testing.scripted import ScriptedEngine
 
@@ -77,11 +76,6 @@ def test_scripted_stop_token_id_is_masked_in_a_batch_beside_unmasked_requests():
 
 
 # -- the tiny real model -------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    return init_model(tmp_path_factory.mktemp("m") / "tiny-qwen2", "tiny-qwen2")
-
-
 @pytest.fixture(scope="module")
 def engine(ckpt):
     with Engine(model_path=ckpt, page_size=4, chunked_prefill_size=8,

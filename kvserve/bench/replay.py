@@ -76,10 +76,10 @@ def w2_engine(strict: bool = True, num_tokens: int = 131_072, context_len: int =
 
 def model_engine(model_path: str | Path | None, max_total_tokens: int | None = None,
                  device: str | None = None, max_running: int = 512) -> EngineCore:
-    """``EngineCore`` over a checkpoint (None: the default model, see ``resolve_model``) with W2's scheduler
-    settings and the checker strict every step. Pool (``max_total_tokens``, tokens) and
-    context default to the engine's sizing for the model and device. Raises
-    ModelLoadError for a folder that holds no loadable checkpoint."""
+    """``EngineCore`` over a checkpoint (None: the default model, see ``resolve_model``)
+    with W2's scheduler settings and the checker strict every step. Pool
+    (``max_total_tokens``, tokens) and context default to the engine's sizing for the
+    model and device. Raises ModelLoadError for a folder that holds no loadable checkpoint."""
     from kvserve.engine import EngineArgs, EngineCore
 
     return EngineCore(EngineArgs(
