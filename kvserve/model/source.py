@@ -104,7 +104,8 @@ def resolve_model(model: str | Path | None) -> ResolvedModel:
     if not path.exists():
         raise ModelLoadError(f"model {path} does not exist")
     if path.is_dir() and not (path / "config.json").exists():
-        found = sorted(path.glob("*.gguf"))
+        # the same rule as a named file: any case of .gguf, files only
+        found = sorted(p for p in path.iterdir() if p.suffix.lower() == ".gguf" and p.is_file())
         if len(found) > 1:
             names = ", ".join(p.name for p in found)
             raise ModelLoadError(f"{path} holds {len(found)} .gguf files ({names}); "
