@@ -224,8 +224,15 @@ def _uvicorn_server(config: uvicorn.Config, srv: Server, sock: socket.socket) ->
     return Server(config)
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
 def serve(args: argparse.Namespace) -> int:
     """Run the server until SIGINT/SIGTERM. Returns the exit status (``EXIT_*``)."""
+    # SIGTERM while the model loads stops as Ctrl-C does: cleanups run (a GGUF
+    # conversion's temporary folder), "stopped", exit 0; not killed mid-write
+    previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
         with bind_socket(args.host, args.port) as sock:  # before any slow import
             return _serve(args, sock)
@@ -240,6 +247,8 @@ def serve(args: argparse.Namespace) -> int:
             traceback.print_exc()
         say(f"failed: {type(err).__name__}: {err} (--log-level debug shows the traceback)")
         return EXIT_FAILED
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _serve(args: argparse.Namespace, sock: socket.socket) -> int:
