@@ -163,7 +163,8 @@ def _uvicorn_server(config: uvicorn.Config, srv: Server, sock: socket.socket) ->
     meanwhile stops it), then lets uvicorn listen, then says ``ready``. ``shutdown``
     says what it waits for, and aborts what is still in flight a second before uvicorn
     would cut the connections: open streams end with finish_reason "abort" and
-    ``[DONE]``, not a truncated body. ``failure`` is the StartupError, if one."""
+    ``[DONE]``, not a truncated body; a second signal aborts them at once. ``failure``
+    is the StartupError, if one."""
     import uvicorn
 
     from kvserve.engine.client import EngineDead
@@ -171,6 +172,19 @@ def _uvicorn_server(config: uvicorn.Config, srv: Server, sock: socket.socket) ->
 
     class Server(uvicorn.Server):
         failure: StartupError | None = None
+        loop: asyncio.AbstractEventLoop | None = None
+
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            if not self.should_exit or self.loop is None:
+                super().handle_exit(sig, frame)
+                return
+            # a second Ctrl-C: abort what is open now; uvicorn's force exit would
+            # cancel its tasks mid-reply and print a traceback
+            self.loop.call_soon_threadsafe(self.abort_now)
+
+        def abort_now(self) -> None:
+            say(f"aborting {len(srv.inflight)} open requests now")
+            srv.abort_inflight()
 
         async def serve(self, sockets: Any = None) -> None:
             try:
@@ -179,6 +193,7 @@ def _uvicorn_server(config: uvicorn.Config, srv: Server, sock: socket.socket) ->
                 await srv.stop()
 
         async def startup(self, sockets: Any = None) -> None:
+            self.loop = asyncio.get_running_loop()
             try:
                 if not await self._start_engine():
                     return

@@ -225,6 +225,39 @@ def test_sigterm_with_open_requests_says_what_it_waits_for(live) -> None:
         "kvserve: stopped"]
 
 
+def test_second_ctrl_c_aborts_open_requests_at_once_without_a_traceback(
+        model_dir, tmp_path) -> None:
+    """uvicorn's force exit on a second SIGINT cancelled its tasks mid-reply and printed a
+    starlette CancelledError traceback; now the open requests end with "abort" at once."""
+    server = ServerProcess(["--model", str(model_dir), "--served-model-name", MODEL_NAME],
+                           tmp_path / "server.log")
+    server.start()
+    proc = server.proc
+    assert proc is not None
+
+    async def scenario() -> tuple[Stream, int, float]:
+        async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
+            stream = Stream()
+            task = asyncio.create_task(stream.read(client, "/v1/completions", LONG_STREAM))
+            await asyncio.wait_for(stream.first_event.wait(), 30)
+            proc.send_signal(signal.SIGINT)
+            await asyncio.to_thread(wait_for_line, server, "kvserve: shutting down")
+            start = time.monotonic()
+            proc.send_signal(signal.SIGINT)
+            code = await asyncio.to_thread(proc.wait, EXIT_TIMEOUT_S)
+            await asyncio.wait_for(task, 5)
+            return stream, code, time.monotonic() - start
+
+    stream, code, seconds = asyncio.run(asyncio.wait_for(scenario(), 90))
+    log = server.log_path.read_text()
+    assert code == 0, log
+    assert "Traceback" not in log and seconds < 3, (seconds, log)
+    assert stream.finish_reason() == "abort"
+    assert kvserve_lines(log)[-3:] == [
+        "kvserve: shutting down: 1 requests open, up to 4 s for them to finish",
+        "kvserve: aborting 1 open requests now", "kvserve: stopped"]
+
+
 def test_tokenizer_that_does_not_round_trip_is_refused(tmp_path) -> None:
     # A word-level vocabulary of one unknown token: "Hello, world" encodes, but to
     # nothing that decodes back (the probe the server runs before it starts the engine).
