@@ -88,9 +88,11 @@ def _import_gguf() -> Any:
 
 
 def _field(reader: Any, path: Path, key: str, kind: type[str] | type[int]) -> Any:
-    """The metadata value ``key`` (a ``kind``: str or int), or None when the file lacks it.
+    """The metadata value ``key`` (a ``kind``: str, or int >= 0: ids, counts, lengths), or
+    None when the file lacks it.
 
-    Raises ModelLoadError when the value has another type or a string is not UTF-8."""
+    Raises ModelLoadError when the value has another type or sign, or a string is not
+    UTF-8."""
     field = reader.fields.get(key)
     if field is None:
         return None
@@ -99,8 +101,8 @@ def _field(reader: Any, path: Path, key: str, kind: type[str] | type[int]) -> An
     except UnicodeDecodeError:
         value = None
     # bool is an int in Python, not in GGUF
-    if not isinstance(value, kind) or isinstance(value, bool):
-        what = "a UTF-8 string" if kind is str else "an integer"
+    if not isinstance(value, kind) or isinstance(value, bool) or (kind is int and value < 0):
+        what = "a UTF-8 string" if kind is str else "a non-negative integer"
         raise ModelLoadError(f"GGUF metadata {key} of {path} is not {what}")
     return value
 

@@ -300,15 +300,17 @@ def test_unknown_architecture(tmp_path):
 
 
 def test_metadata_of_the_wrong_type_is_one_line(tmp_path):
-    """A crafted file: arrays, ints and non-UTF-8 bytes where strings belong, strings where
-    ints belong (these were TypeError/ValueError/UnicodeDecodeError tracebacks)."""
+    """A crafted file: arrays, ints and non-UTF-8 bytes where strings belong, strings, bools
+    and negative ids where ints belong (these were TypeError/ValueError/UnicodeDecodeError/
+    OverflowError tracebacks)."""
     V = gguf.GGUFValueType
     cases = [
         ("general.architecture", ["llama"], V.ARRAY, "a UTF-8 string"),
         ("general.architecture", b"\xff\xfe", V.STRING, "a UTF-8 string"),
-        ("split.count", "two", V.STRING, "an integer"),
-        ("tokenizer.ggml.eos_token_id", "x", V.STRING, "an integer"),
-        ("llama.attention.key_length", True, V.BOOL, "an integer"),
+        ("split.count", "two", V.STRING, "a non-negative integer"),
+        ("tokenizer.ggml.eos_token_id", "x", V.STRING, "a non-negative integer"),
+        ("tokenizer.ggml.eos_token_id", -1, V.INT32, "a non-negative integer"),
+        ("llama.attention.key_length", True, V.BOOL, "a non-negative integer"),
     ]
     for i, (key, value, kind, what) in enumerate(cases):
         file = tmp_path / f"m{i}.gguf"
