@@ -227,14 +227,14 @@ def convert_gguf(path: str | Path) -> Path:
     if (out / "config.json").is_file() and (out / "model.safetensors").is_file():
         return out
     info = inspect_gguf(path)
-    print(f"kvserve: converting {path.name} to float32 safetensors in {out} (once; "
-          f"clear with: rm -rf {out})", file=sys.stderr, flush=True)
-    start = time.monotonic()
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
     except OSError as err:
         raise ModelLoadError(f"cannot write the GGUF cache {out.parent}: "
                              f"{err.strerror or err}") from err
+    print(f"kvserve: converting {path.name} to float32 safetensors in {out} (once; "
+          f"clear with: rm -rf {out})", file=sys.stderr, flush=True)
+    start = time.monotonic()
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     try:

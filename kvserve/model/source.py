@@ -124,7 +124,12 @@ def resolve_model(model: str | Path | None) -> ResolvedModel:
 def _tiny_default(note: str) -> ResolvedModel:
     from kvserve.model.init import default_model_dir
 
-    path = default_model_dir()
+    try:
+        path = default_model_dir()
+    except OSError as err:  # written once into the cache, like a GGUF conversion
+        raise ModelLoadError(f"cannot write kvserve's cache {cache_dir()}: "
+                             f"{err.strerror or err} (set KVSERVE_CACHE to a writable "
+                             "folder)") from None
     return ResolvedModel(path, path.name, True, str(path), note=note)
 
 

@@ -357,6 +357,17 @@ def test_folder_finds_its_gguf_file_in_any_case_and_skips_folders(tmp_path):
     assert message(tmp_path) == f"truncated or not a GGUF file: {tmp_path / 'M.GGUF'}"
 
 
+def test_unwritable_cache_is_one_line_and_no_converting_line(tiny_ckpts, tmp_path,
+                                                              monkeypatch, capsys):
+    file = tmp_path / "w.gguf"
+    write_gguf(tiny_ckpts["tiny-llama"], file, "llama", "F32")
+    (tmp_path / "file").write_text("x")
+    monkeypatch.setenv("KVSERVE_CACHE", str(tmp_path / "file" / "cache"))
+    assert message(file) == (f"cannot write the GGUF cache {tmp_path}/file/cache/gguf: "
+                             "Not a directory")
+    assert capsys.readouterr().err == ""  # it said "converting ..." first
+
+
 def test_without_the_gguf_package(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "gguf", None)
     with pytest.raises(ModelLoadError, match=r"^loading a \.gguf file needs the gguf "
