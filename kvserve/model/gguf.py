@@ -101,7 +101,8 @@ def _field(reader: Any, path: Path, key: str, kind: type[str] | type[int]) -> An
     except UnicodeDecodeError:
         value = None
     # bool is an int in Python, not in GGUF
-    if not isinstance(value, kind) or isinstance(value, bool) or (kind is int and value < 0):
+    if not isinstance(value, kind) or isinstance(value, bool) or (
+            isinstance(value, int) and value < 0):
         what = "a UTF-8 string" if kind is str else "a non-negative integer"
         raise ModelLoadError(f"GGUF metadata {key} of {path} is not {what}")
     return value
