@@ -193,7 +193,6 @@ def _uvicorn_server(config: uvicorn.Config, srv: Server, sock: socket.socket) ->
                 await srv.stop()
 
         async def startup(self, sockets: Any = None) -> None:
-            self.loop = asyncio.get_running_loop()
             try:
                 if not await self._start_engine():
                     return
@@ -204,6 +203,7 @@ def _uvicorn_server(config: uvicorn.Config, srv: Server, sock: socket.socket) ->
             except OSError as err:  # listen(): another process bound the port as well
                 self.fail(address_error(config.host, config.port, err), err)
                 return
+            self.loop = asyncio.get_running_loop()  # serving: a second signal aborts
             host, port = sock.getsockname()[:2]  # the port --port 0 got
             url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
             say(ready_line(url, srv.client.info, srv.model_name))
@@ -247,7 +247,7 @@ def serve(args: argparse.Namespace) -> int:
     """Run the server until SIGINT/SIGTERM. Returns the exit status (``EXIT_*``)."""
     # SIGTERM while the model loads stops as Ctrl-C does: cleanups run (a GGUF
     # conversion's temporary folder), "stopped", exit 0; not killed mid-write
-    previous = signal.signal(signal.SIGTERM, _interrupt)
+    signal.signal(signal.SIGTERM, _interrupt)
     try:
         with bind_socket(args.host, args.port) as sock:  # before any slow import
             return _serve(args, sock)
@@ -263,7 +263,10 @@ def serve(args: argparse.Namespace) -> int:
         say(f"failed: {type(err).__name__}: {err} (--log-level debug shows the traceback)")
         return EXIT_FAILED
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        # stopped: the process only exits now; a second Ctrl-C must not kill it mid-exit
+        # (status -2 instead of 0)
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)
 
 
 def _serve(args: argparse.Namespace, sock: socket.socket) -> int:

@@ -146,12 +146,14 @@ def test_signal_while_loading_stops_the_engine_and_exits_0(model_dir, tmp_path) 
         "kvserve: stopped while loading the model", "kvserve: stopped"]
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+@pytest.mark.parametrize("sig, times", [(signal.SIGINT, 1), (signal.SIGTERM, 1),
+                                        (signal.SIGINT, 2)])
 def test_signal_while_resolving_the_model_stops_cleanly_with_0(model_dir, tmp_path,
-                                                               sig) -> None:
+                                                               sig, times) -> None:
     """Before the engine starts (GGUF conversion, tokenizer check) SIGTERM stops as Ctrl-C
     does; it killed the process (status -15, no line, a conversion's half-written temporary
-    folder left). The model folder's config.json is a FIFO: serve blocks reading it."""
+    folder left). A second Ctrl-C while the process exits killed it (status -2). The model
+    folder's config.json is a FIFO: serve blocks reading it."""
     folder = tmp_path / "slow"
     folder.mkdir()
     os.mkfifo(folder / "config.json")
@@ -159,6 +161,9 @@ def test_signal_while_resolving_the_model_stops_cleanly_with_0(model_dir, tmp_pa
                              str(folder), "--port", "0"], stderr=subprocess.PIPE, text=True)
     with open(folder / "config.json", "w"):  # returns once serve opened it to read
         proc.send_signal(sig)
+        for _ in range(times - 1):
+            time.sleep(0.2)
+            proc.send_signal(sig)
         assert proc.wait(timeout=EXIT_TIMEOUT_S) == 0
     assert proc.stderr is not None and proc.stderr.read() == "kvserve: stopped\n"
 
