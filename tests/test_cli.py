@@ -130,3 +130,13 @@ def test_bench_decode_steady_small(capsys):
     line = parse(capsys.readouterr().out.strip())
     assert line["batch"] == "8" and line["cached_tokens"] == "320"
     assert float(line["sched_us_per_decode_step_p50"]) > 0
+
+
+def test_serve_port_beyond_65535_is_a_usage_error(capsys):
+    """getaddrinfo wraps 70000 to 4464: ``--port 70000`` served on port 4464."""
+    for port in ("70000", "-1"):
+        with pytest.raises(SystemExit) as err:
+            main(["serve", "--port", port])
+        assert err.value.code == 2
+        assert capsys.readouterr().err.splitlines()[-1] == (
+            f"kvserve serve: error: argument --port: must be in [0, 65535], got {port}")

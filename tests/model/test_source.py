@@ -48,6 +48,19 @@ def test_default_that_cannot_be_converted_is_the_tiny_model_with_the_reason(
                                        + TINY)
 
 
+def test_unwritable_cache_is_one_line(monkeypatch, tmp_path):
+    """The tiny fallback is written into the cache: an unwritable one was a
+    FileNotFoundError/NotADirectoryError traceback (``serve``: "failed", exit 1)."""
+    (tmp_path / "file").write_text("x")
+    cache = tmp_path / "file" / "cache"
+    monkeypatch.setenv("KVSERVE_CACHE", str(cache))
+    monkeypatch.setenv(source.DEFAULT_MODEL_ENV, "tiny")
+    with pytest.raises(ModelLoadError) as err:
+        resolve_model(None)
+    assert str(err.value) == (f"cannot write kvserve's cache {cache}: Not a directory (set "
+                              "KVSERVE_CACHE to a writable folder)")
+
+
 def test_env_var_picks_the_tiny_default(cache, monkeypatch):
     monkeypatch.setenv(source.DEFAULT_MODEL_ENV, "tiny")
     assert resolve_model(None) == tiny(cache, f"KVSERVE_DEFAULT_MODEL=tiny: {TINY}")

@@ -174,7 +174,7 @@ def test_sigterm_ends_open_requests_with_abort_and_stops_both_processes(
 async def gauge(client: httpx.AsyncClient, name: str) -> float:
     text = (await client.get("/metrics")).text
     return next(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                if line.startswith((name + " ", name + "{")))  # labelled: {model_name=...}
+                if line.startswith((name + " ", name + "{")))  # with the model_name label
 
 
 def test_engine_death_answers_open_requests_and_then_503(model_dir, tmp_path_factory) -> None:

@@ -146,6 +146,28 @@ def test_signal_while_loading_stops_the_engine_and_exits_0(model_dir, tmp_path) 
         "kvserve: stopped while loading the model", "kvserve: stopped"]
 
 
+@pytest.mark.parametrize("sig, times", [(signal.SIGINT, 1), (signal.SIGTERM, 1),
+                                        (signal.SIGINT, 2)])
+def test_signal_while_resolving_the_model_stops_cleanly_with_0(model_dir, tmp_path,
+                                                               sig, times) -> None:
+    """Before the engine starts (GGUF conversion, tokenizer check) SIGTERM stops as Ctrl-C
+    does; it killed the process (status -15, no line, a conversion's half-written temporary
+    folder left). A second Ctrl-C while the process exits killed it (status -2). The model
+    folder's config.json is a FIFO: serve blocks reading it."""
+    folder = tmp_path / "slow"
+    folder.mkdir()
+    os.mkfifo(folder / "config.json")
+    proc = subprocess.Popen([sys.executable, "-m", "kvserve.cli", "serve", "--model",
+                             str(folder), "--port", "0"], stderr=subprocess.PIPE, text=True)
+    with open(folder / "config.json", "w"):  # returns once serve opened it to read
+        proc.send_signal(sig)
+        for _ in range(times - 1):
+            time.sleep(0.2)
+            proc.send_signal(sig)
+        assert proc.wait(timeout=EXIT_TIMEOUT_S) == 0
+    assert proc.stderr is not None and proc.stderr.read() == "kvserve: stopped\n"
+
+
 @pytest.fixture(scope="module")
 def live(model_dir, tmp_path_factory):
     """One request decodes at a time (so the others stay open); the port is checked
@@ -206,6 +228,39 @@ def test_sigterm_with_open_requests_says_what_it_waits_for(live) -> None:
     assert kvserve_lines(log)[-2:] == [
         "kvserve: shutting down: 3 requests open, up to 4 s for them to finish",
         "kvserve: stopped"]
+
+
+def test_second_ctrl_c_aborts_open_requests_at_once_without_a_traceback(
+        model_dir, tmp_path) -> None:
+    """uvicorn's force exit on a second SIGINT cancelled its tasks mid-reply and printed a
+    starlette CancelledError traceback; now the open requests end with "abort" at once."""
+    server = ServerProcess(["--model", str(model_dir), "--served-model-name", MODEL_NAME],
+                           tmp_path / "server.log")
+    server.start()
+    proc = server.proc
+    assert proc is not None
+
+    async def scenario() -> tuple[Stream, int, float]:
+        async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
+            stream = Stream()
+            task = asyncio.create_task(stream.read(client, "/v1/completions", LONG_STREAM))
+            await asyncio.wait_for(stream.first_event.wait(), 30)
+            proc.send_signal(signal.SIGINT)
+            await asyncio.to_thread(wait_for_line, server, "kvserve: shutting down")
+            start = time.monotonic()
+            proc.send_signal(signal.SIGINT)
+            code = await asyncio.to_thread(proc.wait, EXIT_TIMEOUT_S)
+            await asyncio.wait_for(task, 5)
+            return stream, code, time.monotonic() - start
+
+    stream, code, seconds = asyncio.run(asyncio.wait_for(scenario(), 90))
+    log = server.log_path.read_text()
+    assert code == 0, log
+    assert "Traceback" not in log and seconds < 3, (seconds, log)
+    assert stream.finish_reason() == "abort"
+    assert kvserve_lines(log)[-3:] == [
+        "kvserve: shutting down: 1 requests open, up to 4 s for them to finish",
+        "kvserve: aborting 1 open requests now", "kvserve: stopped"]
 
 
 def test_tokenizer_that_does_not_round_trip_is_refused(tmp_path) -> None:
