@@ -183,7 +183,7 @@ def _uvicorn_server(config: uvicorn.Config, srv: Server, sock: socket.socket) ->
             self.loop.call_soon_threadsafe(self.abort_now)
 
         def abort_now(self) -> None:
-            say(f"aborting {len(srv.inflight)} open requests now")
+            say(f"aborting {_requests(len(srv.inflight))} open now")
             srv.abort_inflight()
 
         async def serve(self, sockets: Any = None) -> None:
@@ -228,8 +228,7 @@ def _uvicorn_server(config: uvicorn.Config, srv: Server, sock: socket.socket) ->
                 print(detail or "".join(traceback.format_exception(err)), file=sys.stderr)
 
         async def shutdown(self, sockets: Any = None) -> None:
-            say(f"shutting down: {len(srv.inflight)} requests open, up to {_GRACE_S - 1} s "
-                "for them to finish")
+            say(shutdown_line(len(srv.inflight), _GRACE_S - 1))
             timer = asyncio.get_running_loop().call_later(_GRACE_S - 1, srv.abort_inflight)
             try:
                 await super().shutdown(sockets)
@@ -237,6 +236,18 @@ def _uvicorn_server(config: uvicorn.Config, srv: Server, sock: socket.socket) ->
                 timer.cancel()
 
     return Server(config)
+
+
+def _requests(n: int) -> str:
+    return "1 request" if n == 1 else f"{n} requests"
+
+
+def shutdown_line(open_requests: int, grace_s: int) -> str:
+    """What a signalled stop says first: what it waits for and for how long."""
+    if open_requests == 0:
+        return "shutting down: no request open"
+    return (f"shutting down: {_requests(open_requests)} open, up to {grace_s} s to finish "
+            "(then aborted; a second Ctrl-C aborts now)")
 
 
 def _interrupt(signum: int, frame: object) -> None:

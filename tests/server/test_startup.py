@@ -6,7 +6,7 @@ line once ``/health`` answers; a stop says what it waits for.
     no tokenizer       -> exit 4 naming the files, before the engine process starts
     no weights         -> exit 4, the engine's one-line reason, no traceback
     ready              -> one line with the URL, model, pool, page and context
-    SIGTERM            -> "shutting down: N requests open, up to 4 s ...", "stopped"
+    SIGTERM            -> "shutting down: N requests open, up to 4 s to finish ...", "stopped"
 """
 
 from __future__ import annotations
@@ -226,7 +226,8 @@ def test_sigterm_with_open_requests_says_what_it_waits_for(live) -> None:
     assert code == 0, log
     assert [s.finish_reason() for s in streams[1:]] == ["abort", "abort"]  # never ran
     assert kvserve_lines(log)[-2:] == [
-        "kvserve: shutting down: 3 requests open, up to 4 s for them to finish",
+        "kvserve: shutting down: 3 requests open, up to 4 s to finish (then aborted; a "
+        "second Ctrl-C aborts now)",
         "kvserve: stopped"]
 
 
@@ -256,11 +257,14 @@ def test_second_ctrl_c_aborts_open_requests_at_once_without_a_traceback(
     stream, code, seconds = asyncio.run(asyncio.wait_for(scenario(), 90))
     log = server.log_path.read_text()
     assert code == 0, log
-    assert "Traceback" not in log and seconds < 3, (seconds, log)
+    # the second signal's own path ran (its line), not the grace period's timer; no
+    # wall-clock bound (a loaded machine stops the engine slowly)
+    assert "Traceback" not in log, (seconds, log)
     assert stream.finish_reason() == "abort"
     assert kvserve_lines(log)[-3:] == [
-        "kvserve: shutting down: 1 requests open, up to 4 s for them to finish",
-        "kvserve: aborting 1 open requests now", "kvserve: stopped"]
+        "kvserve: shutting down: 1 request open, up to 4 s to finish (then aborted; a "
+        "second Ctrl-C aborts now)",
+        "kvserve: aborting 1 request open now", "kvserve: stopped"]
 
 
 def test_tokenizer_that_does_not_round_trip_is_refused(tmp_path) -> None:
