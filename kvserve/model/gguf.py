@@ -158,6 +158,12 @@ def inspect_gguf(path: str | Path) -> GGUFInfo:
         value = _field(reader, path, f"tokenizer.ggml.{key}", int)
         if value is not None:
             special[name] = value
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    if tokens is not None:  # an id past the vocabulary is never sampled: EOS would not stop
+        for name, token_id in special.items():
+            if token_id >= len(tokens.data):
+                raise ModelLoadError(f"GGUF {name} token id {token_id} of {path} is outside "
+                                     f"its vocabulary ({len(tokens.data)} tokens)")
     head_dim = _field(reader, path, f"{arch}.attention.key_length", int)
     rope_freqs = None if freqs is None else tuple(float(x) for x in freqs.data.ravel())
     return GGUFInfo(path, arch, SUPPORTED_ARCHITECTURES[arch], tuple(types), special,
@@ -216,6 +222,29 @@ def converted_dir(path: str | Path) -> Path:
     return cache_dir() / "gguf" / f"{path.stem}-{hashlib.sha256(raw).hexdigest()[:12]}"
 
 
+def remove_stale_temporaries(out: Path) -> list[Path]:
+    """Remove the temporary folders of ``out`` (``.NAME.tmp-PID``) whose process is gone:
+    a conversion killed with SIGKILL leaves one (hundreds of MB). Returns those removed."""
+    removed = []
+    for tmp in out.parent.glob(f".{out.name}.tmp-*"):
+        pid = tmp.name.rsplit("-", 1)[1]
+        if not pid.isdigit() or _process_alive(int(pid)):
+            continue
+        shutil.rmtree(tmp, ignore_errors=True)
+        removed.append(tmp)
+    return removed
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's
+        return True
+    return True
+
+
 def convert_gguf(path: str | Path) -> Path:
     """The Hugging Face checkpoint folder of a ``.gguf`` file, converted on first use.
 
@@ -236,6 +265,7 @@ def convert_gguf(path: str | Path) -> Path:
     print(f"kvserve: converting {path.name} to float32 safetensors in {out} (once; "
           f"clear with: rm -rf {out})", file=sys.stderr, flush=True)
     start = time.monotonic()
+    remove_stale_temporaries(out)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     try:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -26,8 +28,9 @@ from kvserve.model.gguf import (  # noqa: E402
     convert_gguf,
     converted_dir,
     inspect_gguf,
+    remove_stale_temporaries,
 )
-from kvserve.model.init import CHAT_TEMPLATE, init_model  # noqa: E402
+from kvserve.model.init import CHAT_TEMPLATE, TINY_VOCAB, init_model  # noqa: E402
 from kvserve.model.source import (  # noqa: E402
     DEFAULT_MODEL_NAME,
     default_model_file,
@@ -83,7 +86,8 @@ def llama3_rope_factors(theta: float, dim: int, factor: float = 8.0, low: float 
 
 
 def write_gguf(ckpt: Path, out: Path, arch: str, qtype: str, *, extra_tensor=None,
-               rope_orig: int | None = None) -> dict[str, torch.Tensor]:
+               rope_orig: int | None = None, eos_id: int | None = None
+               ) -> dict[str, torch.Tensor]:
     """A GGUF of the checkpoint folder ``ckpt``; returns the weights a correct reader
     gets (HF names and row order, dequantized)."""
     from safetensors.torch import load_file
@@ -117,7 +121,7 @@ def write_gguf(ckpt: Path, out: Path, arch: str, qtype: str, *, extra_tensor=Non
     w.add_token_merges([m if isinstance(m, str) else " ".join(m)
                         for m in tok["model"]["merges"]])
     w.add_bos_token_id(cfg["eos_token_id"])  # transformers' Llama GGUF tokenizer needs one
-    w.add_eos_token_id(cfg["eos_token_id"])
+    w.add_eos_token_id(cfg["eos_token_id"] if eos_id is None else eos_id)
     w.add_pad_token_id(cfg["eos_token_id"])
     w.add_chat_template(CHAT_TEMPLATE)
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], cfg["num_hidden_layers"])
@@ -340,6 +344,30 @@ def test_unsupported_tensor_type_and_rope_scaling(tiny_ckpts, tmp_path):
     assert message(file) == (f"GGUF rope scaling rope_freqs of {file} is not Llama 3's "
                              "(factor 8, low/high frequency factors 1/4, original context "
                              "8192); not supported")
+
+
+def test_special_token_id_outside_the_vocabulary(tiny_ckpts, tmp_path):
+    """An EOS id the model can never sample would never stop a reply: refused."""
+    file = tmp_path / "eos.gguf"
+    write_gguf(tiny_ckpts["tiny-llama"], file, "llama", "F32", eos_id=TINY_VOCAB)
+    assert message(file) == (f"GGUF eos token id {TINY_VOCAB} of {file} is outside its "
+                             f"vocabulary ({TINY_VOCAB} tokens)")
+
+
+def test_stale_temporary_folders_are_removed_live_ones_kept(tmp_path):
+    """A conversion killed with SIGKILL leaves ``.NAME.tmp-PID``; the next conversion of
+    that file removes it, but never the folder of a conversion still running."""
+    out = tmp_path / "m-0123"
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)
+    stale = tmp_path / f".m-0123.tmp-{int(dead.stdout)}"
+    live = tmp_path / f".m-0123.tmp-{os.getpid()}"
+    other = tmp_path / f".m-9999.tmp-{int(dead.stdout)}"  # another file's
+    for folder in (stale, live, other):
+        folder.mkdir()
+        (folder / "model.safetensors").write_bytes(b"partial")
+    assert remove_stale_temporaries(out) == [stale]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([live.name, other.name])
 
 
 def test_folder_with_two_gguf_files(tmp_path):

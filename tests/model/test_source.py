@@ -96,3 +96,22 @@ def test_kvserve_and_engine_import_without_gguf():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=120)
     assert (done.returncode, done.stdout) == (0, "ok\n"), done.stderr
+
+
+def test_tiny_fallback_replaces_a_half_written_folder_and_leaves_no_temporary(
+        tmp_path, monkeypatch):
+    """The tiny model is written beside its folder and renamed into place; a folder an
+    interrupted run left without weights is rebuilt, not taken for the model."""
+    from kvserve.model.init import default_model_dir
+
+    monkeypatch.setenv("KVSERVE_CACHE", str(tmp_path))
+    half = tmp_path / "tiny-llama-default"
+    half.mkdir()
+    (half / "config.json").write_text("{}")
+    path = default_model_dir()
+    assert path == half
+    assert sorted(p.name for p in path.iterdir()) == [
+        "chat_template.jinja", "config.json", "model.safetensors", "tokenizer.json",
+        "tokenizer_config.json"]
+    assert [p.name for p in tmp_path.iterdir()] == ["tiny-llama-default"]
+    assert default_model_dir() == path  # the second call takes it as it is
