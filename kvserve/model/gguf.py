@@ -28,8 +28,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import shutil
 import sys
 import time
 from dataclasses import dataclass
@@ -37,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from kvserve.model.errors import ModelLoadError
-from kvserve.model.source import cache_dir
+from kvserve.model.source import build_cache_folder, cache_dir
 
 # general.architecture -> the transformers class kvserve serves it with
 SUPPORTED_ARCHITECTURES = {
@@ -114,7 +112,8 @@ def inspect_gguf(path: str | Path) -> GGUFInfo:
     Raises ModelLoadError (one line) for a file that cannot be read, a truncated file or
     one that is not GGUF, a split (multi-file) GGUF, an unsupported ``general.architecture``
     or tensor type, GGUF rope scaling other than Llama's ``rope_freqs`` tensor
-    (``rope.scaling.type``), and a file without a tokenizer.
+    (``rope.scaling.type``), a file without a tokenizer, and a special token id outside
+    its vocabulary.
     """
     gguf = _import_gguf()
     path = Path(path)
@@ -222,29 +221,6 @@ def converted_dir(path: str | Path) -> Path:
     return cache_dir() / "gguf" / f"{path.stem}-{hashlib.sha256(raw).hexdigest()[:12]}"
 
 
-def remove_stale_temporaries(out: Path) -> list[Path]:
-    """Remove the temporary folders of ``out`` (``.NAME.tmp-PID``) whose process is gone:
-    a conversion killed with SIGKILL leaves one (hundreds of MB). Returns those removed."""
-    removed = []
-    for tmp in out.parent.glob(f".{out.name}.tmp-*"):
-        pid = tmp.name.rsplit("-", 1)[1]
-        if not pid.isdigit() or _process_alive(int(pid)):
-            continue
-        shutil.rmtree(tmp, ignore_errors=True)
-        removed.append(tmp)
-    return removed
-
-
-def _process_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # alive, another user's
-        return True
-    return True
-
-
 def convert_gguf(path: str | Path) -> Path:
     """The Hugging Face checkpoint folder of a ``.gguf`` file, converted on first use.
 
@@ -265,16 +241,8 @@ def convert_gguf(path: str | Path) -> Path:
     print(f"kvserve: converting {path.name} to float32 safetensors in {out} (once; "
           f"clear with: rm -rf {out})", file=sys.stderr, flush=True)
     start = time.monotonic()
-    remove_stale_temporaries(out)
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
     try:
-        _write_folder(info, tmp)
-        try:
-            tmp.rename(out)
-        except OSError:
-            if not (out / "model.safetensors").is_file():  # not another process's result
-                raise
+        build_cache_folder(out, lambda tmp: _write_folder(info, tmp))
     except OSError as err:
         raise ModelLoadError(f"cannot write the GGUF cache {out}: "
                              f"{err.strerror or err}") from err
@@ -284,8 +252,6 @@ def convert_gguf(path: str | Path) -> Path:
         # transformers' GGUF mapping fails on metadata it does not expect
         reason = str(err).splitlines()[0] if str(err) else type(err).__name__
         raise ModelLoadError(f"cannot convert {path}: {reason}") from err
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     print(f"kvserve: converted {path.name} in {time.monotonic() - start:.1f} s",
           file=sys.stderr, flush=True)
     return out

@@ -9,15 +9,13 @@ with the ``tokenizers`` library on a fixed built-in text, saved so
 
 from __future__ import annotations
 
-import os
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from kvserve.model.source import RANDOM_WEIGHTS_KEY, cache_dir
+from kvserve.model.source import RANDOM_WEIGHTS_KEY, build_cache_folder, cache_dir
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 TINY_VOCAB = 512
@@ -156,21 +154,6 @@ def default_model_dir() -> Path:
     """The tiny random-weight model, created once in the cache folder: the default model's
     fallback when SmolLM2-135M-Instruct is not installed (``kvserve.model.source``)."""
     path = cache_dir() / "tiny-llama-default"
-    if (path / "model.safetensors").is_file():
-        return path
-    # written beside it and renamed: an interrupted or concurrent first run never leaves
-    # a half-written folder that later runs would take for the model
-    tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        init_model(tmp, "tiny-llama", seed=0)
-        if not (path / "model.safetensors").is_file():  # a half folder from an old run
-            shutil.rmtree(path, ignore_errors=True)
-        try:
-            tmp.rename(path)
-        except OSError:
-            if not (path / "model.safetensors").is_file():  # not another process's result
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    if not (path / "model.safetensors").is_file():
+        build_cache_folder(path, lambda tmp: init_model(tmp, "tiny-llama", seed=0))
     return path

@@ -18,6 +18,8 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -62,6 +64,42 @@ class ResolvedModel:
 def cache_dir() -> Path:
     """kvserve's cache folder: ``$KVSERVE_CACHE``, default ``~/.cache/kvserve``."""
     return Path(os.environ.get("KVSERVE_CACHE") or Path.home() / ".cache" / "kvserve")
+
+
+def build_cache_folder(out: Path, write: Callable[[Path], object]) -> None:
+    """Make the cache folder ``out`` whole or not at all: ``write(tmp)`` fills
+    ``.NAME.tmp-PID`` beside it, which is then renamed to ``out``. A folder a concurrent
+    builder finished first wins; a half folder at ``out`` (no ``model.safetensors``, left
+    by an older kvserve) is replaced; temporaries of builders that are gone (killed with
+    SIGKILL: hundreds of MB) are removed first, never a live one's. Raises OSError."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    for stale in out.parent.glob(f".{out.name}.tmp-*"):
+        pid = stale.name.rsplit("-", 1)[1]
+        if pid.isdigit() and not _process_alive(int(pid)):
+            shutil.rmtree(stale, ignore_errors=True)
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        write(tmp)
+        if out.exists() and not (out / "model.safetensors").is_file():
+            shutil.rmtree(out, ignore_errors=True)
+        try:
+            tmp.rename(out)
+        except OSError:
+            if not (out / "model.safetensors").is_file():  # not another builder's result
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's
+        return True
+    return True
 
 
 def default_model_file() -> Path | None:

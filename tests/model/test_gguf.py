@@ -28,11 +28,11 @@ from kvserve.model.gguf import (  # noqa: E402
     convert_gguf,
     converted_dir,
     inspect_gguf,
-    remove_stale_temporaries,
 )
 from kvserve.model.init import CHAT_TEMPLATE, TINY_VOCAB, init_model  # noqa: E402
 from kvserve.model.source import (  # noqa: E402
     DEFAULT_MODEL_NAME,
+    build_cache_folder,
     default_model_file,
     resolve_model,
 )
@@ -355,19 +355,26 @@ def test_special_token_id_outside_the_vocabulary(tiny_ckpts, tmp_path):
 
 
 def test_stale_temporary_folders_are_removed_live_ones_kept(tmp_path):
-    """A conversion killed with SIGKILL leaves ``.NAME.tmp-PID``; the next conversion of
-    that file removes it, but never the folder of a conversion still running."""
+    """A conversion killed with SIGKILL leaves ``.NAME.tmp-PID``; the next build of that
+    folder removes it, but never the folder of a build still running."""
     out = tmp_path / "m-0123"
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
                           capture_output=True, text=True, check=True)
     stale = tmp_path / f".m-0123.tmp-{int(dead.stdout)}"
-    live = tmp_path / f".m-0123.tmp-{os.getpid()}"
-    other = tmp_path / f".m-9999.tmp-{int(dead.stdout)}"  # another file's
+    live = tmp_path / f".m-0123.tmp-{os.getppid()}"  # this process's parent: alive
+    other = tmp_path / f".m-9999.tmp-{int(dead.stdout)}"  # another folder's
     for folder in (stale, live, other):
         folder.mkdir()
         (folder / "model.safetensors").write_bytes(b"partial")
-    assert remove_stale_temporaries(out) == [stale]
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([live.name, other.name])
+
+    def write(tmp: Path) -> None:
+        tmp.mkdir()
+        (tmp / "model.safetensors").write_bytes(b"whole")
+
+    build_cache_folder(out, write)
+    assert (out / "model.safetensors").read_bytes() == b"whole"
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([live.name, other.name,
+                                                                 out.name])
 
 
 def test_folder_with_two_gguf_files(tmp_path):
