@@ -103,9 +103,7 @@ class EngineCore:
     the loop's thread touches it."""
 
     def __init__(self, args: EngineArgs) -> None:
-        from transformers import AutoTokenizer
-
-        from kvserve.model.loader import load_model
+        from kvserve.model.loader import load_model, load_tokenizer
         from kvserve.model.runner import ModelRunner
         from kvserve.model.source import resolve_model
 
@@ -127,7 +125,7 @@ class EngineCore:
         self.runner = ModelRunner(model, config, pools, seed=args.seed,
                                   attention_backend=args.attention_backend,
                                   cuda_graph=False if args.disable_cuda_graph else None)
-        self.tokenizer = AutoTokenizer.from_pretrained(model_path, local_files_only=True)
+        self.tokenizer = load_tokenizer(model_path)
         self.scheduler = Scheduler(
             SchedulerConfig(
                 page_size=args.page_size, context_len=context_len,

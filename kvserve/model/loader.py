@@ -6,12 +6,17 @@ No network access: transformers is asked for local files only.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from kvserve.model.config import ModelConfig, ModelLoadError
 from kvserve.model.layers import CausalLM, RotaryEmbedding
 from kvserve.model.registry import get_model_class
+
+PROBE_TEXT = "Hello, world"  # the tokenizer must encode it to tokens and decode it back
+TOKENIZER_FILES = ("tokenizer.json, or tokenizer_config.json with vocab.json+merges.txt "
+                   "or tokenizer.model")  # what transformers builds a tokenizer from
 
 
 def load_config(model_dir: str | Path) -> ModelConfig:
@@ -77,3 +82,27 @@ def load_model(model_dir: str | Path, device: str | torch.device = "cpu",
                              + "; ".join(details))
     model.load_state_dict(state, strict=True)
     return model, config
+
+
+def load_tokenizer(folder: Path) -> Any:
+    """The checkpoint's tokenizer (transformers, local files only), checked as a server
+    must before it serves: ``PROBE_TEXT`` encodes to a non-empty sequence that decodes
+    back (case and surrounding spaces aside). Raises ModelLoadError (one line naming the
+    files looked for) otherwise; a missing chat template is ``chat_prompt_ids``' to fill."""
+    from transformers import AutoTokenizer
+
+    found = ", ".join(sorted(p.name for p in folder.iterdir())) if folder.is_dir() else ""
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    except Exception:  # transformers raises OSError, ValueError, TypeError... here
+        raise ModelLoadError(f"no tokenizer in {folder}: expected {TOKENIZER_FILES} "
+                             f"(found: {found or 'nothing'})") from None
+    ids = list(tokenizer.encode(PROBE_TEXT, add_special_tokens=False))
+    if not ids:
+        raise ModelLoadError(f"the tokenizer in {folder} encodes {PROBE_TEXT!r} to no "
+                             f"tokens (files: {found})")
+    back = str(tokenizer.decode(ids, skip_special_tokens=True))
+    if back.strip().lower() != PROBE_TEXT.lower():
+        raise ModelLoadError(f"the tokenizer in {folder} decodes {PROBE_TEXT!r} back as "
+                             f"{back!r} (files: {found})")
+    return tokenizer

@@ -25,7 +25,7 @@ from pydantic import BaseModel, ValidationError
 from kvserve.engine.client import EngineClient, RequestChannel
 from kvserve.engine.core import EngineArgs
 from kvserve.engine.stream import OutputStream
-from kvserve.model.errors import ModelLoadError
+from kvserve.model.loader import load_tokenizer
 from kvserve.sched.output import ReqOutput
 from kvserve.sched.req import SamplingParams
 from kvserve.server.metrics import ServerMetrics
@@ -34,9 +34,6 @@ from kvserve.server.protocol import ApiError
 DISCONNECT_POLL_S = 0.05  # every in-flight request is checked this often
 _BodyT = TypeVar("_BodyT", bound=BaseModel)
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
-PROBE_TEXT = "Hello, world"  # the tokenizer must encode it to tokens and decode it back
-TOKENIZER_FILES = ("tokenizer.json, or tokenizer_config.json with vocab.json+merges.txt "
-                   "or tokenizer.model")  # what transformers builds a tokenizer from
 
 
 @dataclass
@@ -65,34 +62,6 @@ class Generation:
     last_token_at: float | None = None
     disconnected: bool = False
     logprobs_sent: int = 0  # streaming: tokens whose log-probabilities went out already
-
-
-def load_tokenizer(folder: Path) -> Any:
-    """The checkpoint's tokenizer (transformers, local files only), with kvserve's chat
-    template when it has none; checked: ``PROBE_TEXT`` encodes to a non-empty sequence
-    that decodes back (case and surrounding spaces aside). Raises ModelLoadError (one
-    line naming the files looked for) otherwise."""
-    from transformers import AutoTokenizer
-
-    from kvserve.model.init import CHAT_TEMPLATE
-
-    found = ", ".join(sorted(p.name for p in folder.iterdir())) if folder.is_dir() else ""
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
-    except Exception:  # transformers raises OSError, ValueError, TypeError... here
-        raise ModelLoadError(f"no tokenizer in {folder}: expected {TOKENIZER_FILES} "
-                             f"(found: {found or 'nothing'})") from None
-    ids = list(tokenizer.encode(PROBE_TEXT, add_special_tokens=False))
-    if not ids:
-        raise ModelLoadError(f"the tokenizer in {folder} encodes {PROBE_TEXT!r} to no "
-                             f"tokens (files: {found})")
-    back = str(tokenizer.decode(ids, skip_special_tokens=True))
-    if back.strip().lower() != PROBE_TEXT.lower():
-        raise ModelLoadError(f"the tokenizer in {folder} decodes {PROBE_TEXT!r} back as "
-                             f"{back!r} (files: {found})")
-    if not getattr(tokenizer, "chat_template", None):
-        tokenizer.chat_template = CHAT_TEMPLATE
-    return tokenizer
 
 
 def _reject_json_constant(name: str) -> Any:

@@ -273,7 +273,7 @@ def test_tokenizer_that_does_not_round_trip_is_refused(tmp_path) -> None:
     from tokenizers import Tokenizer, models, pre_tokenizers
 
     from kvserve.model.errors import ModelLoadError
-    from kvserve.server.state import load_tokenizer
+    from kvserve.model.loader import load_tokenizer
 
     tokenizer = Tokenizer(models.WordLevel({"[UNK]": 0}, unk_token="[UNK]"))
     tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
