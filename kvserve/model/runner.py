@@ -80,7 +80,8 @@ class ModelRunner:
         new_lens = batch.seq_lens - batch.prefix_lens
         last = torch.cumsum(new_lens, 0) - 1
         sample_mask = batch.sample.to(torch.bool)
-        wanted = last[sample_mask.cpu()].to(self.device).long()
+        picked = sample_mask.cpu()  # rows that sample (one host copy for all below)
+        wanted = last[picked].to(self.device).long()
         result: list[list[int]] = [[] for _ in range(batch.batch_size)]
         if wanted.numel() == 0:
             return ModelOutput(result)
@@ -88,7 +89,6 @@ class ModelRunner:
         self.last_logits = logits
         params = batch.sampling
         logprobs: list[list[float]] | None = None
-        picked = sample_mask.cpu()
         banned = batch.banned_token_ids
         allowed = ban_tokens(logits, None if banned is None else banned[picked])
         if params is None:
