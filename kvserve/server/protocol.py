@@ -21,16 +21,6 @@ MAX_COMPLETION_LOGPROBS = 1  # only the chosen token's log-probability is comput
 MAX_CHAT_TOP_LOGPROBS = 0
 
 
-
-def check_stop_limits(stops: list[Any]) -> None:
-    """At most ``MAX_STOP_STRINGS`` stop strings of at most ``MAX_STOP_CHARS`` characters
-    (each is matched after every token). Raises ApiError(400) naming ``stop``."""
-    if len(stops) > MAX_STOP_STRINGS:
-        raise ApiError(400, f"at most {MAX_STOP_STRINGS} stop strings, got {len(stops)}",
-                       "stop")
-    if any(isinstance(s, str) and len(s) > MAX_STOP_CHARS for s in stops):
-        raise ApiError(400, f"stop strings are at most {MAX_STOP_CHARS} characters", "stop")
-
 class ApiError(Exception):
     """An HTTP error with an OpenAI-shaped body."""
 
@@ -46,6 +36,16 @@ class ApiError(Exception):
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param,
                           "code": self.status}}
+
+
+def check_stop_limits(stops: list[Any]) -> None:
+    """At most ``MAX_STOP_STRINGS`` stop strings of at most ``MAX_STOP_CHARS`` characters
+    (each is matched after every token). Raises ApiError(400) naming ``stop``."""
+    if len(stops) > MAX_STOP_STRINGS:
+        raise ApiError(400, f"at most {MAX_STOP_STRINGS} stop strings, got {len(stops)}",
+                       "stop")
+    if any(isinstance(s, str) and len(s) > MAX_STOP_CHARS for s in stops):
+        raise ApiError(400, f"stop strings are at most {MAX_STOP_CHARS} characters", "stop")
 
 
 class _Body(BaseModel):
