@@ -26,9 +26,8 @@ this project's 2-core CPU: 24 conversations (each of the 24 scripts once, 6 per 
 prompt) x 4 turns = 96 requests, 12 at once, replies up to 64 tokens (most reach it:
 the model is wordy). Decode throughput there grows with the batch (about 13 output
 tokens/s for one stream, 26 for 8, 41 for 16 on a quiet machine) and so does ITL; 12
-at once keeps ITL p50 near 0.35 s. Measured while other jobs shared the machine (load
-average about 3): about 5,800 output tokens in 234 s, 256 s with the server's start;
-on a quiet machine, about 3 minutes (estimated from the throughput above). The
+at once keeps ITL p50 near 0.3 s. On the idle machine the workload takes about 160-190 s
+(5,764 output tokens), the whole command 195-225 s (``benchmarks/RESULTS.md``). The
 longest prompt (turn 4) is about 350 tokens, far inside SmolLM2's 8192-token context.
 
 Exit status: 0 when every request succeeded and the checker was clean (or unavailable:
