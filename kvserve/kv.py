@@ -144,7 +144,7 @@ def alloc_for_extend(req: KVOwner, tree_cache: BasePrefixCache, extend_len: int)
     prefix_len = kv.lock.prefix_len if kv.lock is not None else 0
     if prefix_len + extend_len > pools.req_to_token_pool.row_width:
         return False
-    row = pools.req_to_token_pool.alloc()
+    row = _take_row(tree_cache)
     if row is None:
         return False
     prefix_pages = tree_cache.lock_page_ids(kv.lock) if kv.lock is not None else []
@@ -242,13 +242,24 @@ def _grow(kv: ReqKV, tree_cache: BasePrefixCache, target_len: int) -> bool:
 
 
 def make_room(tree_cache: BasePrefixCache, num_pages: int) -> bool:
-    """Evict the shortfall of ``num_pages`` free pages from the cache; True when that
-    many pages are free."""
+    """Reclaim the shortfall of ``num_pages`` free pages (the cache's unlocked pages
+    first, then idle sessions: ``BasePrefixCache.reclaim``); True when that many pages
+    are free."""
     allocator = tree_cache.pools.allocator
     short = num_pages - allocator.available_pages()
     if short > 0:
-        tree_cache.evict(short * allocator.page_size)
+        tree_cache.reclaim(short * allocator.page_size)
     return num_pages <= allocator.available_pages()
+
+
+def _take_row(tree_cache: BasePrefixCache) -> int | None:
+    """A free row of ``req_to_token``, reclaiming one from an idle session if none is."""
+    rows = tree_cache.pools.req_to_token_pool
+    row = rows.alloc()
+    if row is None and tree_cache.reclaimables:
+        tree_cache.reclaim(0, 1)
+        row = rows.alloc()
+    return row
 
 
 def _take_pages(tree_cache: BasePrefixCache, count: int) -> list[int] | None:
@@ -274,6 +285,34 @@ def lock_prefix(req: KVOwner, tree_cache: BasePrefixCache, last_node: object) ->
     if kv.holds_lock or kv.holds_row:
         raise KVAllocError(f"request {req.rid} already holds a lock or row")
     kv.lock = tree_cache.inc_lock_ref(last_node)
+
+
+# -- between the turns of a streaming session -------------------------------------------
+
+
+def trim_kv_tail(owner: KVOwner, tree_cache: BasePrefixCache) -> None:
+    """Free the over-allocation ``[committed_len, allocated_len)`` beyond the page that
+    holds the last committed position (speculative windows, a decode slot never used), so
+    the record holds exactly its committed KV: ``allocated_len = committed_len``. A turn
+    that ends with its KV kept for the next one (a streaming session) calls this; the
+    pages go through the allocator (deferred while a batch is in flight)."""
+    kv = owner.kv
+    keep = num_pages(kv.committed_len, tree_cache.page_size)
+    if keep < kv.protected_len // tree_cache.page_size:
+        raise KVAllocError(f"{owner.rid}: committed_len {kv.committed_len} below the locked "
+                           f"prefix {kv.protected_len}")
+    tree_cache.pools.allocator.free(kv.page_ids[keep:])
+    del kv.page_ids[keep:]
+    kv.allocated_len = kv.committed_len
+
+
+def move_kv(source: KVOwner, target: KVOwner) -> None:
+    """Hand everything ``source`` holds to ``target``, which must hold nothing: the one
+    record changes owner (it is never shared by two live owners) and ``source`` gets a
+    fresh, empty one. Raises KVAllocError when ``target`` holds something."""
+    if target.kv.holds_anything:
+        raise KVAllocError(f"{target.rid} already holds KV; cannot take {source.rid}'s")
+    target.kv, source.kv = source.kv, ReqKV()
 
 
 # -- the one exit -----------------------------------------------------------------------

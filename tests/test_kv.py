@@ -170,7 +170,8 @@ def test_decode_inside_speculative_overallocation_takes_no_page():
 
 def test_only_named_sites_move_allocated_len():
     """Scan the package: allocated_len is assigned only in the allocation sites (through
-    _grow) and cleared only by ReqKV._clear; _grow is called only by the sites."""
+    _grow), cleared only by ReqKV._clear and lowered to committed_len only by trim_kv_tail
+    (a session turn's end); _grow is called only by the sites."""
     sites = {"alloc_for_extend", "alloc_for_decode", "alloc_for_spec_decode"}
     writers: set[tuple[str, str]] = set()
     grow_callers: set[tuple[str, str]] = set()
@@ -192,7 +193,7 @@ def test_only_named_sites_move_allocated_len():
                 if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "_grow":
                     grow_callers.add((path.name, func.name))
     assert writers == {("kv.py", "_grow"), ("kv.py", "_clear"), ("kv.py", "alloc_for_extend"),
-                       ("kv.py", "alloc_for_decode")}
+                       ("kv.py", "alloc_for_decode"), ("kv.py", "trim_kv_tail")}
     assert grow_callers == {("kv.py", s) for s in sites - {"alloc_for_decode"}}
 
 

@@ -7,7 +7,7 @@ from array import array
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 from kvserve.kv import KVOwner
 from kvserve.mem.pools import MemoryPools
@@ -39,6 +39,27 @@ class PrefixLock:
     spent: bool = False  # handed back to dec_lock_ref already
 
 
+class Reclaimable(Protocol):
+    """Memory kept for later use that can be given back under pressure: the prefix
+    cache's unlocked pages (``evict``) and idle streaming sessions (their held KV and
+    rows). Admission budgets (``BasePrefixCache.reclaimable_size``) and the allocation
+    sites (``BasePrefixCache.reclaim``) consult every source through this one interface.
+    Sizes are in tokens; rows are rows of ``req_to_token``."""
+
+    def reclaimable_tokens(self) -> int:
+        """Tokens of KV that giving everything back would make free or evictable."""
+        ...
+
+    def reclaimable_rows(self) -> int:
+        """Rows that giving everything back would free."""
+        ...
+
+    def reclaim(self, num_tokens: int, num_rows: int) -> None:
+        """Give back, oldest first, until ``num_tokens`` tokens and ``num_rows`` rows are
+        given back or nothing is left."""
+        ...
+
+
 class LockRefError(RuntimeError):
     """``dec_lock_ref`` on a node that is not locked."""
 
@@ -59,6 +80,40 @@ class BasePrefixCache(ABC):
         self.pools = pools
         self._defer_batch: int | None = None
         self._deferred_locks: dict[int, list[PrefixLock]] = {}
+        self.reclaimables: list[Reclaimable] = []
+
+    # -- memory held elsewhere that may be given back (idle sessions) -------------------
+    def register_reclaimable(self, source: Reclaimable) -> None:
+        """Add ``source`` to what ``reclaim`` may take back after evicting from the cache."""
+        self.reclaimables.append(source)
+
+    def reclaimable_size(self) -> int:
+        """Tokens that could be made available without touching a live request: the
+        cache's evictable tokens plus every registered source's (the admission budget)."""
+        return self.evictable_size() + sum(r.reclaimable_tokens() for r in self.reclaimables)
+
+    def reclaimable_rows(self) -> int:
+        return sum(r.reclaimable_rows() for r in self.reclaimables)
+
+    def reclaim(self, num_tokens: int, num_rows: int = 0) -> None:
+        """Make ``num_tokens`` more tokens available and ``num_rows`` rows free if
+        possible: evict from the cache first (its pages are unused), then ask the
+        registered sources, oldest first, evicting again what they hand to the cache."""
+        allocator = self.pools.allocator
+        want = allocator.available_size() + num_tokens
+        rows = self.pools.req_to_token_pool
+        want_rows = rows.available_size() + num_rows
+        if num_tokens > 0:
+            self.evict(num_tokens)
+        for source in self.reclaimables:
+            short = want - allocator.available_size()
+            short_rows = want_rows - rows.available_size()
+            if short <= 0 and short_rows <= 0:
+                return
+            source.reclaim(max(short, 0), max(short_rows, 0))
+            short = want - allocator.available_size()
+            if short > 0:
+                self.evict(short)
 
     @property
     def page_size(self) -> int:
@@ -140,6 +195,11 @@ class BasePrefixCache(ABC):
     @abstractmethod
     def inc_lock_ref(self, node: Any) -> PrefixLock | None:
         """Protect the path ending at ``node`` from eviction; None for an empty prefix."""
+
+    def unlock_gain(self, lock: PrefixLock) -> int:
+        """Tokens that would become evictable if ``lock`` were handed back (its path's
+        nodes no other receipt locks); 0 for a cache without locks."""
+        return 0
 
     @abstractmethod
     def lock_page_ids(self, lock: PrefixLock) -> list[int]:

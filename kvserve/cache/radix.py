@@ -245,6 +245,14 @@ class RadixCache(BasePrefixCache):
                     self._push(n)
             n = n.parent
 
+    def unlock_gain(self, lock: PrefixLock) -> int:
+        pages = 0
+        n: TreeNode | None = lock.node
+        while n is not None and n.parent is not None and n.lock_ref == 1:
+            pages += len(n.page_ids)
+            n = n.parent
+        return pages * self.pools.page_size
+
     def lock_page_ids(self, lock: PrefixLock) -> list[int]:
         return self._path_page_ids(lock.node).tolist()
 

@@ -42,6 +42,7 @@ class SchedulerConfig:
     speculative: SpecConfig | None = None
     strict_checks: bool = False
     raise_on_violation: bool = False
+    session_timeout: float | None = None  # seconds a streaming session may idle (None: ever)
 
     def validate(self) -> None:
         if self.page_size < 1:
@@ -60,6 +61,9 @@ class SchedulerConfig:
                               "max_prefill_tokens >= 1 are required")
         if self.schedule_conservativeness <= 0:
             raise ConfigError("schedule_conservativeness must be > 0")
+        timeout = self.session_timeout
+        if timeout is not None and not 0 < timeout < float("inf"):
+            raise ConfigError(f"session_timeout must be > 0 seconds, got {timeout!r}")
 
     @property
     def chunk_size(self) -> int | None:

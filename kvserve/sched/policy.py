@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Sequence
+from typing import Protocol
 
 from kvserve.cache.base import BasePrefixCache
 from kvserve.kv import extend_pages_needed, lock_prefix, release_kv_cache
@@ -58,6 +59,32 @@ def remaining_new_tokens(req: Req) -> int:
     return min(max(req.max_output_len - len(req.output_ids), 0), CLIP_MAX_NEW_TOKENS)
 
 
+class PrefixSource(Protocol):
+    """How admission takes a request's matched prefix: lock it in the tree
+    (``TreePrefix``), or take over a session slot's KV (``SessionManager``)."""
+
+    def acquire(self, req: Req) -> None:
+        """Hold the prefix ``req.match_node`` names (admission)."""
+        ...
+
+    def give_back(self, req: Req) -> None:
+        """Undo ``acquire`` (the request does not fit after all); nothing is allocated yet."""
+        ...
+
+
+class TreePrefix:
+    """The prefix cache's own: ``lock_prefix`` on the matched node; undone by releasing."""
+
+    def __init__(self, tree_cache: BasePrefixCache) -> None:
+        self.tree_cache = tree_cache
+
+    def acquire(self, req: Req) -> None:
+        lock_prefix(req, self.tree_cache, req.match_node)
+
+    def give_back(self, req: Req) -> None:
+        release_kv_cache(req, self.tree_cache, insert=False)
+
+
 class AddResult(enum.Enum):
     CONTINUE = "continue"
     NO_TOKEN = "no_token"  # memory budget exhausted
@@ -75,8 +102,12 @@ class PrefillAdder:
         max_prefill_tokens: int,
         chunked_prefill_size: int | None,
         max_new_requests: int,
+        prefix: PrefixSource | None = None,
     ) -> None:
         self.tree_cache = tree_cache
+        self.prefix = prefix or TreePrefix(tree_cache)
+        # what other sources (idle sessions) could give back, taken once per step
+        self.reclaimable = sum(r.reclaimable_tokens() for r in tree_cache.reclaimables)
         self.page_size = tree_cache.page_size
         # tokens held back for what running requests will still decode (a float, as SGLang)
         self.offset: float = sum(remaining_new_tokens(r) * new_token_ratio for r in running)
@@ -90,7 +121,8 @@ class PrefillAdder:
     @property
     def rem_total_tokens(self) -> float:
         pools = self.tree_cache.pools
-        return pools.allocator.available_size() + self.tree_cache.evictable_size() - self.offset
+        return (pools.allocator.available_size() + self.tree_cache.evictable_size()
+                + self.reclaimable - self.offset)
 
     def _real_tokens(self, req: Req, extend_len: int) -> int:
         """Tokens of new pages ``alloc_for_extend`` will take: the same function it calls."""
@@ -136,13 +168,23 @@ class PrefillAdder:
         chunk = self.rem_chunk_tokens
         if chunk is not None and extend_len > chunk and floor_page(chunk, self.page_size) <= 0:
             return AddResult.OTHER
-        lock_prefix(req, self.tree_cache, req.match_node)
-        locked = req.kv.lock.prefix_len if req.kv.lock is not None else 0
-        if locked != req.match_len:  # a stale match: go by what is really locked
-            req.match_len = locked
-            extend_len = req.seq_len - locked
+        self.prefix.acquire(req)
+        kv = req.kv
+        slot_tokens = 0
+        if kv.holds_row:  # a session slot's KV, taken over whole: no longer reclaimable
+            held = kv.committed_len
+            slot_tokens = len(kv.owned_page_ids(self.page_size)) * self.page_size
+            if kv.lock is not None:
+                slot_tokens += self.tree_cache.unlock_gain(kv.lock)
+            self.reclaimable -= slot_tokens
+        else:
+            held = kv.lock.prefix_len if kv.lock is not None else 0
+        if held != req.match_len:  # a stale match: go by what is really held
+            req.match_len = held
+            extend_len = req.seq_len - held
         if not self._fits_memory(req, extend_len):  # the lock made part of evictable protected
-            release_kv_cache(req, self.tree_cache, insert=False)
+            self.prefix.give_back(req)
+            self.reclaimable += slot_tokens
             return AddResult.NO_TOKEN
         if chunk is None or extend_len <= chunk:
             req.extend_len = extend_len

@@ -13,13 +13,13 @@ through the scheduler's exits; nothing here frees memory itself.
 from __future__ import annotations
 
 import logging
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 from kvserve.cache.base import BasePrefixCache
 from kvserve.kv import alloc_for_extend
 from kvserve.sched.config import SchedulerConfig
 from kvserve.sched.exits import Exits
-from kvserve.sched.policy import AddResult, NewTokenRatio, PrefillAdder
+from kvserve.sched.policy import AddResult, NewTokenRatio, PrefillAdder, PrefixSource, TreePrefix
 from kvserve.sched.queues import ListQueue, QueueRegistry, SlotQueue
 from kvserve.sched.req import Req
 from kvserve.sched.state import ReqState
@@ -27,6 +27,12 @@ from kvserve.sched.state import ReqState
 logger = logging.getLogger(__name__)
 
 LPM_FALLBACK_QUEUE_LEN = 128  # lpm acts as fcfs above this many waiting (SGLang)
+
+
+class SessionMatcher(PrefixSource, Protocol):
+    """What admission needs of the session manager: a slot match, then acquire."""
+
+    def match(self, req: Req) -> bool: ...
 
 
 class Admission(NamedTuple):
@@ -47,11 +53,16 @@ class PrefillManager:
         ratio: the shared ``new_token_ratio`` (read for the running reservation).
         queues: the scheduler's registry.
         exits: the scheduler's exits.
+        sessions: matches and takes over a session turn's slot (``SessionManager``);
+            None: every request matches the tree.
     """
 
     def __init__(self, config: SchedulerConfig, tree_cache: BasePrefixCache, ratio: NewTokenRatio,
-                 queues: QueueRegistry, exits: Exits) -> None:
+                 queues: QueueRegistry, exits: Exits, sessions: SessionMatcher | None = None
+                 ) -> None:
         self.config = config
+        self.sessions = sessions
+        self.prefix: PrefixSource = sessions if sessions is not None else TreePrefix(tree_cache)
         self.tree_cache = tree_cache
         self.ratio = ratio
         self.exits = exits
@@ -89,6 +100,7 @@ class PrefillManager:
         adder = PrefillAdder(
             self.tree_cache, running.reqs, self.ratio.value, cfg.max_prefill_tokens,
             cfg.chunk_size, cfg.max_running_requests - len(running) - (chunked is not None),
+            self.prefix,
         )
         if chunked is not None and not adder.add_chunked_req(chunked):
             return None  # its next chunk does not fit yet: decode frees memory first
@@ -125,7 +137,10 @@ class PrefillManager:
         return True
 
     def _match(self, req: Req) -> None:
-        """Prefix match without a lock, capped so at least one token is computed."""
+        """Prefix match without a lock, capped so at least one token is computed; a
+        session turn whose slot holds its context's prefix matches the slot instead."""
+        if req.session is not None and self.sessions is not None and self.sessions.match(req):
+            return
         fill = req.fill_ids
         match = self.tree_cache.match_prefix(fill[: len(fill) - 1], req.extra_key)
         req.match_len, req.match_node = match.prefix_len, match.last_node

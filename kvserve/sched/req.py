@@ -147,6 +147,7 @@ class Req:
     max_output_len: int = 0
     fast_path_outputs: int = 0
     stop_ids: frozenset[int] = frozenset()
+    session: Any = None  # the StreamingSession this request is a turn of (sched.session)
 
     @property
     def fill_ids(self) -> list[int]:

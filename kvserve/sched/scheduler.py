@@ -21,8 +21,10 @@ import enum
 import itertools
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvserve.cache.factory import make_prefix_cache, prefix_cache_kind
 from kvserve.forward import ForwardMode, ModelOutput, ModelRunnerLike
@@ -37,6 +39,7 @@ from kvserve.sched.policy import NewTokenRatio
 from kvserve.sched.prefill import LPM_FALLBACK_QUEUE_LEN, PrefillManager
 from kvserve.sched.queues import QueueRegistry
 from kvserve.sched.req import FinishKind, FinishReason, Req, RequestRejected, SamplingParams
+from kvserve.sched.session import SessionManager, SessionParams
 from kvserve.sched.state import ReqState
 
 logger = logging.getLogger(__name__)
@@ -93,7 +96,8 @@ class Scheduler:
         model: anything with ``forward(ForwardBatch) -> ModelOutput``.
     """
 
-    def __init__(self, config: SchedulerConfig, pools: MemoryPools, model: ModelRunnerLike) -> None:
+    def __init__(self, config: SchedulerConfig, pools: MemoryPools, model: ModelRunnerLike,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         config.validate()
         if pools.page_size != config.page_size:
             raise ConfigError(f"pool page size {pools.page_size} != config {config.page_size}")
@@ -104,7 +108,10 @@ class Scheduler:
         self.checker = InvariantChecker(self.tree_cache, strict=config.strict_checks)
         self.queues = QueueRegistry()
         self.ratio = NewTokenRatio(config.schedule_conservativeness)
-        self.prefill = PrefillManager(config, self.tree_cache, self.ratio, self.queues, self)
+        self.sessions = SessionManager(self.tree_cache, self._release_owner, clock,
+                                       config.session_timeout)
+        self.prefill = PrefillManager(config, self.tree_cache, self.ratio, self.queues, self,
+                                      self.sessions)
         self.decode = DecodeManager(config, self.tree_cache, self.ratio, self.queues, self)
         self.builder = BatchBuilder(pools, config.speculative,
                                     bool(getattr(model, "uses_sampling_params", False)))
@@ -153,18 +160,28 @@ class Scheduler:
         sampling: SamplingParams | None = None,
         rid: str | None = None,
         extra_key: str | None = None,
+        session_params: SessionParams | dict[str, Any] | None = None,
     ) -> Req:
         """Queue a request. Raises RequestRejected (holding nothing) for a duplicate
         rid, an empty prompt, a prompt longer than ``context_len - 1`` or than the
-        whole KV pool, token ids outside int32, or bad sampling limits."""
+        whole KV pool, token ids outside int32, or bad sampling limits.
+
+        With ``session_params`` (``sched.session.SessionParams`` or its JSON object) the
+        request is a turn of a streaming session: ``prompt_ids`` are the new tokens and
+        the prompt becomes the turn's context (``SessionManager.context_for``); a refused
+        turn (SessionError, a RequestRejected) leaves the session as it was."""
         sampling = sampling or SamplingParams()
         sampling.validate()
         rid = rid if rid is not None else f"req-{next(self._rids)}"
         if rid in self.reqs:
             raise RequestRejected(f"duplicate request id {rid!r}")
-        prompt = list(prompt_ids)
-        if not prompt:
+        if not list(prompt_ids):
             raise RequestRejected("empty prompt")
+        params = None
+        prompt = list(prompt_ids)
+        if session_params is not None:
+            params = SessionParams.parse(session_params)
+            prompt = self.sessions.context_for(params, prompt)
         limit = self.config.context_len - 1
         if len(prompt) > limit:
             raise RequestRejected(f"prompt of {len(prompt)} tokens is longer than the context "
@@ -190,7 +207,19 @@ class Scheduler:
         req.stop_ids = frozenset(t for t in stops if t <= limit)
         self.reqs[rid] = req
         self.prefill.waiting.append(req)
+        if params is not None:
+            self.sessions.attach(req, params, self.abort_request)
         return req
+
+    # -- streaming sessions (sched.session) ------------------------------------------
+    def open_session(self, session_id: str | None = None,
+                     capacity_of_str_len: int | None = None) -> str:
+        """Open a streaming session; returns its id (``SessionManager.open``)."""
+        return self.sessions.open(session_id, capacity_of_str_len)
+
+    def close_session(self, session_id: str) -> bool:
+        """Close a session now, or at the end of its turn in flight; False if unknown."""
+        return self.sessions.close(session_id)
 
     def abort_request(self, rid: str, message: str = "aborted by request") -> AbortStatus:
         """Abort at any stage. Waiting: released now. Admitted, chunked or running:
@@ -280,7 +309,8 @@ class Scheduler:
         return batch
 
     def get_new_batch_prefill(self) -> ScheduleBatch | None:
-        rows_free = self.pools.req_to_token_pool.available_size()
+        rows_free = (self.pools.req_to_token_pool.available_size()
+                     + self.tree_cache.reclaimable_rows())
         admission = self.prefill.admit(self.decode.running, rows_free)
         if admission is None:
             return None
@@ -314,20 +344,35 @@ class Scheduler:
             self.decode.drop_finished()
 
     # -- exits ----------------------------------------------------------------------
+    @contextmanager
+    def _deferral(self) -> Iterator[None]:
+        """Frees inside wait for the in-flight batch if there is one (rule 7)."""
+        batch = self._inflight
+        with nullcontext() if batch is None else self.tree_cache.deferring(batch.batch_id):
+            yield
+
     def _release(self, req: Req, insert: bool) -> None:
-        """The one exit; frees wait for the in-flight batch if there is one (rule 7)."""
+        """The one exit (``release_kv_cache``), deferred while a batch is in flight."""
         self.prefill.forget(req)
-        if self._inflight is None:
+        with self._deferral():
             release_kv_cache(req, self.tree_cache, insert=insert)
-        else:
-            with self.tree_cache.deferring(self._inflight.batch_id):
-                release_kv_cache(req, self.tree_cache, insert=insert)
+
+    def _release_owner(self, owner: Any, insert: bool) -> None:
+        """``release_kv_cache`` for a session slot, deferred like a request's."""
+        with self._deferral():
+            release_kv_cache(owner, self.tree_cache, insert=insert)
 
     def finish(
         self, req: Req, reason: FinishReason, insert: bool, new_tokens: list[int] | None = None
     ) -> None:
-        """Release what ``req`` holds and end it with ``reason`` (``Exits.finish``)."""
-        self._release(req, insert)
+        """Release what ``req`` holds and end it with ``reason`` (``Exits.finish``); a
+        session turn's KV may move to its session instead (``SessionManager.end_turn``)."""
+        if req.session is None:
+            self._release(req, insert)
+        else:
+            self.prefill.forget(req)
+            with self._deferral():
+                self.sessions.end_turn(req, reason, insert)
         req.state = ReqState.FINISHED
         req.finished_reason = reason
         req.to_finish = None
@@ -359,7 +404,7 @@ class Scheduler:
         """The invariant checker over every live request, held page and queue (raises
         InvariantViolation in strict mode)."""
         return self.checker.check(self.reqs.values(), self.held_pages, full=full,
-                                  queues=self.queues)
+                                  queues=self.queues, sessions=self.sessions.holders())
 
     def _run_checker(self) -> float:
         """Strict: every step. Otherwise once each time the engine becomes idle."""

@@ -227,6 +227,8 @@ class ScriptedEngine:
         eos_prob: float = 0.0,
         accept_counts: Callable[[int, int], int] | None = None,
         strict_checks: bool = True,
+        session_timeout: float | None = None,
+        clock: Callable[[], float] | None = None,
     ) -> None:
         self.page_size = page_size
         self.config = SchedulerConfig(
@@ -241,13 +243,15 @@ class ScriptedEngine:
             speculative=speculative,
             strict_checks=strict_checks,
             raise_on_violation=True,
+            session_timeout=session_timeout,
         )
         self.config.validate()
         reserve = speculative.reserve if speculative else 0
         self.pools = build_pools(num_rows, context_len, num_tokens, page_size,
                                  spec_reserve=reserve)
         self.model = ScriptedModel(self.pools, eos_token_id, eos_prob, accept_counts)
-        self.scheduler = Scheduler(self.config, self.pools, self.model)
+        self.scheduler = (Scheduler(self.config, self.pools, self.model) if clock is None
+                          else Scheduler(self.config, self.pools, self.model, clock))
         self.handles: dict[str, ReqHandle] = {}
 
     @property
@@ -255,13 +259,23 @@ class ScriptedEngine:
         return self.scheduler.tree_cache
 
     def add(self, prompt_ids: Sequence[int], rid: str | None = None,
-            extra_key: str | None = None, **sampling: object) -> ReqHandle:
-        """Queue a request; ``sampling`` are ``SamplingParams`` fields."""
+            extra_key: str | None = None, session_params: dict[str, object] | None = None,
+            **sampling: object) -> ReqHandle:
+        """Queue a request (a session turn with ``session_params``); ``sampling`` are
+        ``SamplingParams`` fields."""
         req = self.scheduler.add_request(prompt_ids, SamplingParams(**sampling),  # type: ignore[arg-type]
-                                         rid=rid, extra_key=extra_key)
+                                         rid=rid, extra_key=extra_key,
+                                         session_params=session_params)
         handle = ReqHandle(req, self)
         self.handles[req.rid] = handle
         return handle
+
+    def open_session(self, session_id: str | None = None,
+                     capacity_of_str_len: int | None = None) -> str:
+        return self.scheduler.open_session(session_id, capacity_of_str_len)
+
+    def close_session(self, session_id: str) -> bool:
+        return self.scheduler.close_session(session_id)
 
     def abort(self, rid: str) -> AbortStatus:
         return self.scheduler.abort_request(rid)
