@@ -2,7 +2,7 @@
 
 Every live request sits in exactly one registered queue, in a state that queue
 allows: the scheduler's waiting queue, the chunked-prefill slot and the running
-batch today; a later queue (session turns, PD bootstrap, pre-allocation,
+batch today; a later queue (PD bootstrap, pre-allocation,
 transfer) registers itself the same way and the checker knows it without a new
 branch.
 """
