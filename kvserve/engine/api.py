@@ -157,10 +157,11 @@ class Engine:
         prompt only) makes the request a turn of a streaming session (``open_session``):
         the prompt is the NEW tokens, appended to turn ``rid``'s prompt + output (cut to
         ``[:offset]``), or alone when ``rid`` is None; ``prompt_tokens`` and
-        ``cached_tokens`` count the whole context. Refused with SessionError (a
-        RequestRejected; the session is left as it was): unknown session, a turn in
-        flight without ``replace``, unknown or aborted ``rid``, ``offset`` outside turn
-        ``rid``, a context over the session's ``capacity_of_str_len``."""
+        ``cached_tokens`` count the whole context. A refused turn raises RequestRejected
+        and leaves the session as it was: SessionError for malformed ``session_params``;
+        the engine's refusal for an unknown session, a turn in flight without
+        ``replace``, an unknown or aborted ``rid``, an ``offset`` outside turn ``rid``, a
+        context over the session's ``capacity_of_str_len``."""
         single, requests = self._requests(prompt, input_ids)
         sampling = parse_sampling(sampling_params)
         session = parse_session_params(session_params)
