@@ -29,19 +29,23 @@ from kvserve.engine.messages import (
     Accepted,
     AddReq,
     CheckReq,
+    CloseSession,
     Command,
     EngineFailed,
     EngineReady,
     EngineStats,
+    OpenSession,
     Rejected,
     Reply,
     RpcReq,
+    SessionReply,
     ShutdownReq,
 )
 from kvserve.engine.process import run_engine_process
 from kvserve.engine.router import RequestRouter
 from kvserve.sched.output import ReqOutput
 from kvserve.sched.req import QueueFull, RequestRejected, SamplingParams
+from kvserve.sched.session import SessionError, SessionParams
 
 _WATCH_INTERVAL_S = 0.1  # how often the engine process's liveness is checked
 
@@ -156,17 +160,19 @@ class EngineClient:
         self._tmp.cleanup()
 
     # -- requests ------------------------------------------------------------------------
-    async def add(self, rid: str, input_ids: list[int],
-                  sampling: SamplingParams) -> RequestChannel:
-        """Queue a request in the engine and return its channel once accepted.
-        Raises RequestRejected (bad input, duplicate rid), QueueFull, EngineDead."""
+    async def add(self, rid: str, input_ids: list[int], sampling: SamplingParams,
+                  session_params: SessionParams | None = None) -> RequestChannel:
+        """Queue a request in the engine and return its channel once accepted; with
+        ``session_params`` a turn of a streaming session (``input_ids``: the new tokens).
+        Raises RequestRejected (bad input, duplicate rid; SessionError for a refused
+        turn), QueueFull, EngineDead."""
         self._check_alive()
         channel = RequestChannel(rid)
         self.router.open(rid, channel)
         ack: asyncio.Future[Accepted | Rejected] = asyncio.get_running_loop().create_future()
         self._acks[rid] = ack
         try:
-            await self._commands.send_pyobj(AddReq(rid, input_ids, sampling))
+            await self._commands.send_pyobj(AddReq(rid, input_ids, sampling, session_params))
             answer = await ack
         except BaseException:
             self._acks.pop(rid, None)
@@ -193,6 +199,22 @@ class EngineClient:
     async def rpc(self, method: str, timeout_s: float = 30.0) -> Any:
         """Ask the engine (``EngineCore.rpc``: "stats", "info", "flush_cache")."""
         return await self._call(lambda tag: RpcReq(tag, method), timeout_s)
+
+    async def open_session(self, session_id: str | None = None,
+                           capacity_of_str_len: int | None = None) -> str:
+        """Open a streaming session (``Engine.open_session``); returns its id. Raises
+        SessionError (id in use, bad capacity), EngineDead."""
+        reply: SessionReply = await self._call(
+            lambda tag: OpenSession(tag, session_id, capacity_of_str_len), 30.0)
+        if not reply.ok:
+            raise SessionError(reply.message)
+        return reply.session_id
+
+    async def close_session(self, session_id: str) -> bool:
+        """Close a streaming session (``Engine.close_session``); False when unknown."""
+        reply: SessionReply = await self._call(lambda tag: CloseSession(tag, session_id),
+                                               30.0)
+        return reply.ok
 
     async def check(self, timeout_s: float = 30.0) -> Any:
         """The engine's full invariant check (``EngineCore.check``), run once it is idle."""

@@ -25,12 +25,15 @@ from kvserve.engine.messages import (
     Accepted,
     AddReq,
     CheckReq,
+    CloseSession,
     Command,
     EngineStats,
     Event,
+    OpenSession,
     Rejected,
     Reply,
     RpcReq,
+    SessionReply,
     ShutdownReq,
 )
 from kvserve.mem.pools import build_pools, default_pool_tokens
@@ -38,11 +41,13 @@ from kvserve.sched.config import SchedulerConfig
 from kvserve.sched.output import ReqOutput
 from kvserve.sched.req import QueueFull, Req, RequestRejected
 from kvserve.sched.scheduler import Scheduler
+from kvserve.sched.session import SessionError
 
 _STOP_TAIL_TOKENS = 16  # at least this many tokens decoded to look for a stop string
 _STATS_INTERVAL_S = 0.1  # the loop emits an EngineStats at most this often while busy
 _IDLE_WAIT_S = 0.05  # how long an idle loop waits for a command before looking again
 CHECK_DEADLINE_S = 10.0  # a CheckReq is answered at the latest this long after it came
+_EXPIRE_INTERVAL_S = 1.0  # idle sessions are checked against session_timeout this often
 
 
 @dataclass
@@ -67,6 +72,10 @@ class EngineArgs:
             Triton backend; see ``kvserve.model.cuda_graph``).
         strict_checks: run the strict invariant checker after every step (tests);
             otherwise it runs once each time the engine becomes idle.
+        session_timeout: seconds a streaming session may stay idle (no turn in flight)
+            before the engine closes it (checked about once a second). None (default):
+            never, as in SGLang, whose sessions live until ``close_session``; idle
+            sessions' KV is given back under pool pressure either way.
     """
 
     model_path: str | Path | None = None
@@ -85,6 +94,7 @@ class EngineArgs:
     attention_backend: str = "auto"
     mem_fraction_static: float = 0.85
     disable_cuda_graph: bool = False
+    session_timeout: float | None = None
 
 
 def leave_a_core_free(device: str) -> None:
@@ -134,7 +144,7 @@ class EngineCore:
                 disable_radix_cache=args.disable_radix_cache,
                 schedule_policy=args.schedule_policy,
                 eos_token_ids=config.eos_token_ids, vocab_size=config.vocab_size,
-                strict_checks=args.strict_checks,
+                strict_checks=args.strict_checks, session_timeout=args.session_timeout,
             ),
             pools, self.runner,
         )
@@ -148,13 +158,15 @@ class EngineCore:
 
     # -- commands ------------------------------------------------------------------------
     def add(self, request: AddReq) -> Rejected | Accepted:
-        """Queue a request, or say why not (nothing is held for a refused one)."""
+        """Queue a request, or say why not (nothing is held for a refused one; a refused
+        session turn leaves its session as it was)."""
         bound = self.max_queued_requests
         try:
             if bound is not None and len(self.scheduler.waiting) >= bound:
                 self.queue_full += 1
                 raise QueueFull(f"the waiting queue is full ({bound} requests); retry later")
-            self.scheduler.add_request(request.input_ids, request.sampling, rid=request.rid)
+            self.scheduler.add_request(request.input_ids, request.sampling, rid=request.rid,
+                                       session_params=request.session_params)
         except RequestRejected as err:
             return Rejected(request.rid, str(err), isinstance(err, QueueFull))
         return Accepted(request.rid)
@@ -173,16 +185,32 @@ class EngineCore:
             case CheckReq(tag=tag):  # answered once idle, or at the deadline
                 self._pending_checks.append((tag, time.monotonic() + CHECK_DEADLINE_S))
                 return None
+            case OpenSession(tag=tag):
+                return Reply(tag, self.open_session(command))
+            case CloseSession(tag=tag, session_id=session_id):
+                closed = self.scheduler.close_session(session_id)
+                return Reply(tag, SessionReply(closed, session_id,
+                                               "" if closed else f"no open session {session_id!r}"))
         raise TypeError(f"not an engine command: {command!r} ({type(command).__name__})")
 
+    def open_session(self, command: OpenSession) -> SessionReply:
+        """``Scheduler.open_session``; a refusal (id in use, bad capacity) is ``ok`` False."""
+        try:
+            sid = self.scheduler.open_session(command.session_id, command.capacity_of_str_len)
+        except SessionError as err:
+            return SessionReply(False, command.session_id or "", str(err))
+        return SessionReply(True, sid)
+
     def rpc(self, method: str) -> Any:
-        """Synchronous queries: "stats", "flush_cache" (True when idle and flushed),
-        "info". Raises ValueError for another name. (The invariant check is ``CheckReq``.)"""
+        """Synchronous queries: "stats", "flush_cache" (True when idle and flushed; idle
+        sessions' held KV is given back first, their next turns match the tree), "info".
+        Raises ValueError for another name. (The invariant check is ``CheckReq``.)"""
         if method == "stats":
             return self.stats()
         if method == "flush_cache":
             if not self.scheduler.is_idle:
                 return False
+            self.scheduler.sessions.reclaim_all()  # slots lock tree nodes a reset would drop
             self.scheduler.tree_cache.reset()
             return True
         if method == "info":
@@ -200,6 +228,7 @@ class EngineCore:
                     "chunked_prefill_size": cfg.chunked_prefill_size,
                     "schedule_policy": cfg.schedule_policy,
                     "disable_radix_cache": cfg.disable_radix_cache,
+                    "session_timeout": cfg.session_timeout,
                     "device": self.device, "dtype": str(self.dtype).removeprefix("torch."),
                     "torch_version": torch.__version__,
                     "torch_num_threads": torch.get_num_threads()}
@@ -215,18 +244,22 @@ class EngineCore:
                 "pools": report.pools, "kv_total_tokens": alloc.size,
                 "kv_available_tokens": alloc.available_size(),
                 "kv_evictable_tokens": sched.tree_cache.evictable_size(),
-                "live_requests": len(sched.reqs)}
+                "live_requests": len(sched.reqs),
+                "open_sessions": len(sched.sessions.sessions)}
 
     def stats(self) -> EngineStats:
         sched = self.scheduler
         alloc = sched.pools.allocator
         cached = sched.tree_cache.evictable_size()
         s = sched.stats
+        ss = sched.sessions.stats
         return EngineStats(
             time.time(), len(sched.running) + (sched.chunked_req is not None),
             len(sched.waiting), alloc.size - alloc.available_size() - cached, cached,
             alloc.size, s.prompt_tokens, s.cached_tokens, s.retractions, s.aborts, s.finished,
-            self.queue_full, s.checker_runs, s.violations, sched.results.generated_tokens)
+            self.queue_full, s.checker_runs, s.violations, sched.results.generated_tokens,
+            len(sched.sessions.sessions), ss.opened, ss.closed, ss.expired, ss.slot_hits,
+            ss.mismatches, ss.rollbacks, ss.reclaimed)
 
     def abort_all(self, message: str) -> list[ReqOutput]:
         """Shutdown: release every live request through the scheduler's exit path."""
@@ -243,14 +276,18 @@ class EngineCore:
         ``timeout_s`` for the first; 0 = just look); ``deliver`` takes each step's
         events in order. The loop blocks only when idle; stats go out at most every
         ``_STATS_INTERVAL_S`` while busy, on becoming idle or busy, and after commands.
+        Sessions idle past ``session_timeout`` are closed every ``_EXPIRE_INTERVAL_S``.
         """
         sched = self.scheduler
-        last_stats = 0.0
+        last_stats = last_expire = 0.0
         was_idle = True
         while True:
             events: list[Event] = []
             commands = recv(_IDLE_WAIT_S if sched.is_idle else 0.0)
             handled = bool(commands)  # e.g. a flush or an abort while idle: fresh stats
+            if time.monotonic() - last_expire >= _EXPIRE_INTERVAL_S:
+                last_expire = time.monotonic()
+                handled |= bool(sched.sessions.expire())
             for command in commands:
                 if isinstance(command, ShutdownReq):
                     deliver(self.abort_all(command.message))

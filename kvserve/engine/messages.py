@@ -1,7 +1,8 @@
 """The messages between an engine's callers and ``EngineCore.run``: one class per
 command and per event. ``EngineCore.handle`` and ``EngineClient`` dispatch on the class.
 
-    caller --commands--> EngineCore.run      AddReq, AbortReq, RpcReq, CheckReq, ShutdownReq
+    caller --commands--> EngineCore.run      AddReq, AbortReq, RpcReq, CheckReq,
+                                             OpenSession, CloseSession, ShutdownReq
     caller <--events---- EngineCore.run      ReqOutput, Accepted, Rejected, Reply, EngineStats
 
 All are NamedTuples (they cross the engine process's ZMQ sockets pickled) and free of
@@ -14,15 +15,19 @@ from typing import Any, NamedTuple
 
 from kvserve.sched.output import ReqOutput
 from kvserve.sched.req import SamplingParams
+from kvserve.sched.session import SessionParams
 
 
 # -- commands ------------------------------------------------------------------------------
 class AddReq(NamedTuple):
-    """Command: queue ``rid``; answered by ``Accepted`` or ``Rejected``."""
+    """Command: queue ``rid``; answered by ``Accepted`` or ``Rejected``. With
+    ``session_params`` it is a turn of a streaming session and ``input_ids`` are the new
+    tokens only (``Scheduler.add_request``)."""
 
     rid: str
     input_ids: list[int]
     sampling: SamplingParams
+    session_params: SessionParams | None = None
 
 
 class AbortReq(NamedTuple):
@@ -45,13 +50,31 @@ class CheckReq(NamedTuple):
     tag: int
 
 
+class OpenSession(NamedTuple):
+    """Command: open a streaming session (SGLang's ``/open_session``), answered by
+    ``Reply(tag, SessionReply)``. ``session_id`` None: the engine picks one;
+    ``capacity_of_str_len``: the most tokens a turn's context may hold."""
+
+    tag: int
+    session_id: str | None = None
+    capacity_of_str_len: int | None = None
+
+
+class CloseSession(NamedTuple):
+    """Command: close a streaming session (now, or at the end of its turn in flight),
+    answered by ``Reply(tag, SessionReply)``; ``ok`` False for an unknown session."""
+
+    tag: int
+    session_id: str
+
+
 class ShutdownReq(NamedTuple):
     """Command: abort and release every live request, then leave the loop."""
 
     message: str = "engine shut down"
 
 
-Command = AddReq | AbortReq | RpcReq | CheckReq | ShutdownReq
+Command = AddReq | AbortReq | RpcReq | CheckReq | OpenSession | CloseSession | ShutdownReq
 
 
 # -- events --------------------------------------------------------------------------------
@@ -76,6 +99,15 @@ class Reply(NamedTuple):
     payload: Any
 
 
+class SessionReply(NamedTuple):
+    """The payload of the ``Reply`` to ``OpenSession`` / ``CloseSession``: ``ok`` and the
+    session's id, or ``ok`` False and why (``message``, one line)."""
+
+    ok: bool
+    session_id: str
+    message: str = ""
+
+
 class EngineStats(NamedTuple):
     """Event: a snapshot of the engine's gauges and counters (tokens, requests)."""
 
@@ -94,6 +126,15 @@ class EngineStats(NamedTuple):
     checker_runs: int
     violations: int
     generation_tokens: int  # tokens appended to outputs (any request, any finish)
+    # streaming sessions (``SessionManager``): open now, then ``SessionStats`` counters
+    open_sessions: int = 0
+    sessions_opened: int = 0
+    sessions_closed: int = 0  # expired ones included
+    sessions_expired: int = 0  # closed by session_timeout
+    session_slot_hits: int = 0  # turns admitted on their session's held KV
+    session_mismatches: int = 0  # turns whose context did not extend the held KV
+    session_rollbacks: int = 0  # turns aborted (the session kept its last completed turn)
+    session_reclaimed: int = 0  # idle sessions' KV given back under memory pressure
 
 
 Event = ReqOutput | Accepted | Rejected | Reply | EngineStats

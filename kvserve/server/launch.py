@@ -106,6 +106,9 @@ def add_serve_parser(commands: argparse._SubParsersAction, positive: object,
                        help="no prefix sharing between requests")
     serve.add_argument("--schedule-policy", choices=_POLICIES, default="fcfs",
                        help="admission order: first come, or longest prefix match")
+    serve.add_argument("--session-timeout", type=positive_seconds, default=None,
+                       help="close a streaming session idle this many seconds (default: "
+                       "never, as SGLang; idle sessions' KV is reclaimed under pressure)")
     serve.add_argument("--api-key", help="require 'Authorization: Bearer KEY'")
     serve.add_argument("--enable-debug-endpoints", action="store_true",
                        help="add GET /debug/check (strict invariant check when idle)")
@@ -120,6 +123,17 @@ def add_serve_parser(commands: argparse._SubParsersAction, positive: object,
     serve.add_argument("--log-level", default="warning",
                        choices=["critical", "error", "warning", "info", "debug"],
                        help="uvicorn's log level")
+
+
+def positive_seconds(text: str) -> float:
+    """argparse type: a finite number of seconds > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be > 0 seconds, got {text}")
+    return value
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -310,7 +324,7 @@ def _serve(args: argparse.Namespace, sock: socket.socket) -> int:
         dtype=args.dtype, max_running_requests=args.max_running_requests,
         max_queued_requests=args.max_queued_requests,
         schedule_policy=args.schedule_policy, strict_checks=args.strict_checks,
-        attention_backend=args.attention_backend,
+        attention_backend=args.attention_backend, session_timeout=args.session_timeout,
     )
     server_args = ServerArgs(engine=engine, host=args.host, port=args.port,
                              api_key=args.api_key,

@@ -36,6 +36,7 @@ _GAUGES = {
     "kv_used_tokens": ("kvserve:kv_used_tokens", "KV tokens held by live requests"),
     "kv_cached_tokens": ("kvserve:kv_cached_tokens", "KV tokens in the evictable prefix cache"),
     "kv_total_tokens": ("kvserve:kv_total_tokens", "KV pool size in tokens"),
+    "open_sessions": ("kvserve:num_sessions", "open streaming sessions"),
 }
 _COUNTERS = {
     "prompt_tokens": ("kvserve:prompt_tokens", "prompt tokens of admitted requests "
@@ -49,6 +50,10 @@ _COUNTERS = {
     "queue_full": ("kvserve:queue_full_rejections", "requests refused with 429 (queue full)"),
     "checker_runs": ("kvserve:checker_runs", "invariant checker runs"),
     "violations": ("kvserve:checker_violations", "checker runs that found a violation"),
+    "session_slot_hits": ("kvserve:session_slot_hits", "session turns admitted on the KV "
+                          "their session held (no prefix match)"),
+    "session_reclaimed": ("kvserve:session_reclaimed", "idle sessions' KV given back under "
+                          "memory pressure"),
 }
 
 

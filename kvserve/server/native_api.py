@@ -2,6 +2,8 @@
 
     POST /generate                               SGLang's native shape
     POST /abort_request  {"rid": ...}            abort at any stage
+    POST /open_session   {"capacity_of_str_len"?, "session_id"?} -> "<session id>"
+    POST /close_session  {"session_id": ...}     200 (empty); 404 for an unknown session
     GET|POST /flush_cache                        reset the prefix cache (only when idle)
     GET  /health, /health_generate, /metrics, /get_load,
          /get_model_info (/model_info), /get_server_info (/server_info)
@@ -27,7 +29,14 @@ from kvserve.server.http import (
     sse_with_errors,
     stream_response,
 )
-from kvserve.server.protocol import AbortRequest, ApiError, GenerateRequest
+from kvserve.server.protocol import (
+    AbortRequest,
+    ApiError,
+    CloseSessionRequest,
+    GenerateRequest,
+    OpenSessionRequest,
+    session_params,
+)
 
 router = APIRouter()
 debug_router = APIRouter()
@@ -44,7 +53,8 @@ async def generate(request: Request) -> Response:
     if not ids:
         raise ApiError(400, "input_ids must not be empty", "input_ids")
     sampling = body.sampling(srv.context_len)
-    gen = await srv.submit(request, ids, sampling, body.rid)
+    session = session_params(body.session_params)
+    gen = await srv.submit(request, ids, sampling, body.rid, session)
     text = gen.stream.text
 
     def reply(out: ReqOutput) -> dict[str, Any]:
@@ -78,6 +88,30 @@ async def abort_request(request: Request) -> Response:
     body = await srv.read_body(request, AbortRequest)
     srv.client.abort(body.rid)
     return JSONResponse({})
+
+
+@router.post("/open_session")
+@endpoint
+async def open_session(request: Request) -> Response:
+    """SGLang's ``/open_session``: 200 with the session id as a JSON string; 400 for an
+    id in use or a bad ``capacity_of_str_len``."""
+    srv = server_of(request)
+    body = await srv.read_body(request, OpenSessionRequest)
+    return JSONResponse(await srv.client.open_session(body.session_id,
+                                                      body.capacity_of_str_len))
+
+
+@router.post("/close_session")
+@endpoint
+async def close_session(request: Request) -> Response:
+    """SGLang's ``/close_session``: 200 with an empty body (a turn in flight completes
+    first); 404 for an unknown or already closed session."""
+    srv = server_of(request)
+    body = await srv.read_body(request, CloseSessionRequest)
+    if not await srv.client.close_session(body.session_id):
+        raise ApiError(404, f"no open session {body.session_id!r}", "session_id",
+                       kind="not_found_error")
+    return Response(status_code=200)
 
 
 @router.api_route("/flush_cache", methods=["GET", "POST"])

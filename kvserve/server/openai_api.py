@@ -18,6 +18,7 @@ from kvserve.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     OpenAIRequest,
+    session_params,
 )
 from kvserve.server.state import Generation, Server
 
@@ -114,7 +115,8 @@ async def completions(request: Request) -> Response:
         ids = list(prompt)  # type: ignore[arg-type]
     want_logprobs = body.logprobs is not None and body.logprobs > 0
     sampling = body.sampling(body.max_tokens, 16, srv.context_len, want_logprobs)
-    gen = await srv.submit(request, ids, sampling, body.rid)
+    session = session_params(body.session_params)
+    gen = await srv.submit(request, ids, sampling, body.rid, session)
 
     def choice(text: str, out: ReqOutput) -> dict[str, Any]:
         logprobs = None
@@ -133,6 +135,7 @@ async def completions(request: Request) -> Response:
 @endpoint
 async def chat_completions(request: Request) -> Response:
     srv, body = await _read_request(request, ChatCompletionRequest)
+    session = session_params(body.session_params, chat=True)
     messages = [{"role": m.role, "content": m.text()} for m in body.messages]
     try:
         ids = chat_prompt_ids(srv.tokenizer, messages)
@@ -140,7 +143,7 @@ async def chat_completions(request: Request) -> Response:
         raise ApiError(400, str(err), "messages") from None
     sampling = body.sampling(body.max_new_tokens, srv.context_len, srv.context_len,
                              body.logprobs)
-    gen = await srv.submit(request, ids, sampling, body.rid)
+    gen = await srv.submit(request, ids, sampling, body.rid, session)
 
     def logprobs(out: ReqOutput) -> dict[str, Any] | None:
         new = _new_logprobs(gen, out, body.stream) if body.logprobs else None

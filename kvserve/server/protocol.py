@@ -1,7 +1,9 @@
 """Request bodies of the HTTP API (pydantic) and their checks.
 
 Follows the OpenAI API for ``/v1/completions`` and ``/v1/chat/completions`` and
-SGLang's native ``/generate``. Unknown fields are ignored (as OpenAI and vLLM do);
+SGLang's native ``/generate``, ``/open_session`` and ``/close_session``; all three
+generation routes take SGLang's ``session_params`` (``session_params``). Unknown
+fields are ignored (as OpenAI and vLLM do);
 every refusal is an ``ApiError`` that the app renders in OpenAI's error shape:
 ``{"error": {"message", "type", "param", "code"}}``.
 """
@@ -13,7 +15,9 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from kvserve.engine import parse_sampling
+from kvserve.engine.api import chat_session_params, parse_session_params
 from kvserve.sched.req import RequestRejected, SamplingParams
+from kvserve.sched.session import SessionError, SessionParams
 
 MAX_STOP_STRINGS = 16  # more is refused (OpenAI allows 4; vLLM sets no bound)
 MAX_STOP_CHARS = 512
@@ -48,6 +52,16 @@ def check_stop_limits(stops: list[Any]) -> None:
         raise ApiError(400, f"stop strings are at most {MAX_STOP_CHARS} characters", "stop")
 
 
+def session_params(value: dict[str, Any] | None, chat: bool = False) -> SessionParams | None:
+    """The checked ``session_params`` of a request (``chat``: only ``id`` and
+    ``replace``, the messages being the whole conversation). Raises ApiError(400) naming
+    ``session_params``; whether the session and turn ``rid`` exist the engine says."""
+    try:
+        return chat_session_params(value) if chat else parse_session_params(value)
+    except SessionError as err:
+        raise ApiError(400, str(err), "session_params") from None
+
+
 class _Body(BaseModel):
     # strict: a JSON type mismatch ("stream": "yes", "max_tokens": true) is a 400, as at
     # OpenAI, not a silent coercion (ints still pass for floats)
@@ -77,6 +91,7 @@ class OpenAIRequest(_Body):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     rid: str | None = None  # kvserve/SGLang extension: the request id (abort_request)
+    session_params: dict[str, Any] | None = None  # SGLang extension: a session's turn
 
     def sampling(self, max_tokens: int | None, default_max: int, context_len: int,
                  logprob: bool) -> SamplingParams:
@@ -179,6 +194,7 @@ class GenerateRequest(_Body):
     stream: bool = False
     rid: str | None = None
     return_logprob: bool = False
+    session_params: dict[str, Any] | None = None  # {"id", "rid", "offset", "replace"}
 
     def sampling(self, context_len: int) -> SamplingParams:
         params = dict(self.sampling_params)
@@ -198,3 +214,16 @@ class GenerateRequest(_Body):
 
 class AbortRequest(_Body):
     rid: str
+
+
+class OpenSessionRequest(_Body):
+    """``POST /open_session`` (SGLang's ``OpenSessionReqInput``)."""
+
+    capacity_of_str_len: int | None = None  # most tokens a turn's context may hold
+    session_id: str | None = None  # None: the server picks one
+
+
+class CloseSessionRequest(_Body):
+    """``POST /close_session``."""
+
+    session_id: str

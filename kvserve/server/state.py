@@ -28,6 +28,7 @@ from kvserve.engine.stream import OutputStream
 from kvserve.model.loader import load_tokenizer
 from kvserve.sched.output import ReqOutput
 from kvserve.sched.req import SamplingParams
+from kvserve.sched.session import SessionParams
 from kvserve.server.metrics import ServerMetrics
 from kvserve.server.protocol import ApiError
 
@@ -163,13 +164,15 @@ class Server:
         return list(self.tokenizer.encode(prompt))
 
     async def submit(self, http: Request | None, ids: list[int], sampling: SamplingParams,
-                     rid: str | None) -> Generation:
-        """Queue in the engine; the returned generation is watched for disconnects."""
+                     rid: str | None, session: SessionParams | None = None) -> Generation:
+        """Queue in the engine (``session``: as a turn of that streaming session, ``ids``
+        being its new tokens); the returned generation is watched for disconnects, and a
+        disconnect aborts it (a session turn rolls its session back)."""
         rid = rid or uuid.uuid4().hex
         if rid in self.inflight:
             raise ApiError(400, f"duplicate request id {rid!r}", "rid")
         arrival = time.perf_counter()
-        channel = await self.client.add(rid, ids, sampling)
+        channel = await self.client.add(rid, ids, sampling, session)
         gen = Generation(rid, channel, OutputStream(self.tokenizer, sampling.stop), arrival,
                          http)
         self.inflight[rid] = gen
