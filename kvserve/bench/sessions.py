@@ -9,8 +9,8 @@ SGLang's ``/open_session`` and ``/close_session``).
 
 The Mooncake conversation trace's chained turns (``trace_chains``, ``run_chains``)::
 
-    chain         rows whose hash_ids start with the previous row's full blocks (all its
-                  ids but the last, partial one), at least 2 of them: a later turn of the
+    chain         rows whose hash_ids start with the previous row's (all of them, or all
+                  but its last, partial block), at least 2 blocks: a later turn of the
                   same conversation (``chain_rows``)
     tokens        hash id h -> ``block`` tokens to_vocab(h * block + i) (deterministic, as
                   ``bench replay``); a row keeps ceil(input_length * block / 512) of them
@@ -259,20 +259,27 @@ MIN_SHARED_BLOCKS = 2  # a parent shares more than the system prompt's first blo
 def chain_rows(rows: Sequence[TraceRow]) -> list[list[int]]:
     """Rows (indices) grouped into conversation chains, in order of their first row.
 
-    Row i's parent is the latest earlier row j, with the most blocks, whose full blocks
-    (all its hash_ids but the last, which covers a partial block: the next turn
-    restates it whole, under another id) start row i's hash_ids, at least
-    ``MIN_SHARED_BLOCKS`` of them. Row i continues j's chain when that chain ends at j;
+    Row i's parent is the earlier row j sharing the most leading blocks with it, at
+    least ``MIN_SHARED_BLOCKS``, where row i starts with all of j's hash_ids or with all
+    but j's last (which covers a partial block: the next turn restates it whole, under
+    another id); the latest such row on a tie. Ids are prefix-chained, so a prefix is
+    known by its last id. Row i continues j's chain when that chain ends at j;
     otherwise (no parent, or j already has a next turn: a branch) it starts a chain."""
-    by_full: dict[int, int] = {}  # last full-block id -> latest row ending its full blocks there
+    by_last: dict[int, int] = {}  # last id -> latest row whose hash_ids end with it
+    by_full: dict[int, int] = {}  # id -> latest row whose full blocks end with it
     chain_of: dict[int, int] = {}  # row -> its chain, for rows that end their chain
     chains: list[list[int]] = []
     for i, row in enumerate(rows):
+        ids = row.hash_ids
         parent = None
-        for k in range(len(row.hash_ids), MIN_SHARED_BLOCKS - 1, -1):
-            j = by_full.get(row.hash_ids[k - 1])
-            if j is not None and rows[j].hash_ids[:-1] == row.hash_ids[:k]:
-                parent = j
+        for k in range(len(ids), MIN_SHARED_BLOCKS - 1, -1):
+            whole = by_last.get(ids[k - 1]) if k < len(ids) else None
+            if whole is not None and rows[whole].hash_ids == ids[:k]:
+                parent = whole
+                break
+            full = by_full.get(ids[k - 1])
+            if full is not None and rows[full].hash_ids[:-1] == ids[:k]:
+                parent = full
                 break
         if parent is not None and parent in chain_of:
             c = chain_of.pop(parent)
@@ -281,8 +288,10 @@ def chain_rows(rows: Sequence[TraceRow]) -> list[list[int]]:
             c = len(chains)
             chains.append([i])
         chain_of[i] = c
-        if len(row.hash_ids) > MIN_SHARED_BLOCKS:
-            by_full[row.hash_ids[-2]] = i
+        if ids:
+            by_last[ids[-1]] = i
+        if len(ids) > MIN_SHARED_BLOCKS:
+            by_full[ids[-2]] = i
     return chains
 
 
@@ -401,14 +410,15 @@ async def _run_chain(http: Any, index: int, chain: Chain, mode: str, tag: str, t
 
 
 async def run_chains(url: str, chains: Sequence[Chain], mode: str, concurrency: int,
-                     tag: str) -> tuple[list[ChainTurnResult], float]:
+                     tag: str, transport: Any = None) -> tuple[list[ChainTurnResult], float]:
     """Every chain's turns in order, ``concurrency`` chains at once; returns the turns
-    and the wall time in seconds. ``tag`` makes the request ids unique per run."""
+    and the wall time in seconds. ``tag`` makes the request ids unique per run;
+    ``transport``: an ``httpx`` transport instead of the network (tests)."""
     import httpx
 
     results: list[ChainTurnResult] = []
     queue = list(enumerate(chains))[::-1]
-    async with httpx.AsyncClient(base_url=url, timeout=600) as http:
+    async with httpx.AsyncClient(base_url=url, timeout=600, transport=transport) as http:
         t0 = time.perf_counter()
 
         async def worker() -> None:
