@@ -57,8 +57,10 @@ from kvserve.bench.sessions import (
     TurnStat,
     comparison,
     comparison_lines,
+    counters_change,
     held_tokens,
     run_metrics,
+    session_counters,
 )
 from kvserve.bench.stats import percentile
 from kvserve.server.process import ServerProcess, ServerStartError
@@ -275,6 +277,7 @@ class RunOutcome:
     check: dict[str, Any] | None  # /debug/check report; None when the server lacks it
     wall_s: float
     skipped: int
+    sessions: dict[str, int] | None = None  # the server's session counters' change
 
 
 async def _send_turn(client: Any, model: str, messages: list[Any], result: TurnResult,
@@ -396,6 +399,7 @@ async def run_workload(url: str, model: str, convs: list[Conversation],
     async with httpx.AsyncClient(base_url=url, headers=headers) as http, client:
         if mode == "sessions":
             await _probe_sessions(http)
+        counters = await session_counters(http)
         t0 = time.perf_counter()
         before = await _scrape(http, t0)
         samples: list[MetricsSample] = [before] if before else []
@@ -423,9 +427,10 @@ async def run_workload(url: str, model: str, convs: list[Conversation],
         wall_s = max((r.end_s for r in results), default=0.0)
         check = await _debug_check(http)
         after = await _scrape(http, t0)
+        counted = counters_change(counters, await session_counters(http))
     if after is not None:
         samples.append(after)
-    return RunOutcome(results, samples, before, after, check, wall_s, sum(skipped))
+    return RunOutcome(results, samples, before, after, check, wall_s, sum(skipped), counted)
 
 
 async def _probe_sessions(http: Any) -> None:
@@ -483,7 +488,8 @@ def run_summary(outcome: RunOutcome) -> dict[str, Any]:
     """One run's figures (``bench.sessions.run_metrics``) with its checker verdict."""
     clean, verdict = checker_verdict(outcome.check)
     return {**run_metrics(turn_stats(outcome.results), outcome.wall_s),
-            "skipped_turns": outcome.skipped, "checker_clean": clean,
+            "skipped_turns": outcome.skipped, "server_sessions": outcome.sessions,
+            "checker_clean": clean,
             "checker_verdict": verdict}
 
 def checker_verdict(check: dict[str, Any] | None) -> tuple[bool | None, str]:

@@ -172,11 +172,45 @@ def comparison_lines(runs: dict[str, dict[str, Any]]) -> list[str]:
     lines.append(row("turns >= 2 reusing all held KV",
                      [f"{runs[n]['later_turns_whole_context_reused']} of "
                       f"{runs[n]['later_turns']}" for n in names]))
+    if any(runs[n].get("server_sessions") for n in names):
+        lines.append(row("server: slot hits / mismatches", [
+            "n/a" if not (c := runs[n].get("server_sessions")) else
+            f"{c['slot_hits']} / {c['mismatches']}" for n in names]))
+        lines.append(row("server: rollbacks / reclaimed", [
+            "n/a" if not (c := runs[n].get("server_sessions")) else
+            f"{c['rollbacks']} / {c['reclaimed']}" for n in names]))
     lines.append(row("errors", [str(runs[n]["errors"]) for n in names]))
     return lines
 
 
 # -- session endpoints ------------------------------------------------------------------------
+
+# EngineStats counters of /get_server_info's "stats" (``sched.session.SessionStats``)
+SESSION_COUNTERS = ("session_slot_hits", "session_mismatches", "session_rollbacks",
+                    "session_reclaimed")
+
+
+async def session_counters(http: Any) -> dict[str, int] | None:
+    """The server's session counters (cumulative); None when it reports none."""
+    import httpx
+
+    try:
+        r = await http.get("/get_server_info", timeout=10)
+        stats = r.json().get("stats") or {} if r.status_code == 200 else {}
+    except (httpx.HTTPError, ValueError, AttributeError):
+        return None
+    if not all(k in stats for k in SESSION_COUNTERS):
+        return None
+    return {k: int(stats[k]) for k in SESSION_COUNTERS}
+
+
+def counters_change(before: dict[str, int] | None,
+                    after: dict[str, int] | None) -> dict[str, int] | None:
+    """What a run added to the session counters (names without ``session_``)."""
+    if before is None or after is None:
+        return None
+    return {k.removeprefix("session_"): after[k] - before[k] for k in SESSION_COUNTERS}
+
 
 class SessionApiError(RuntimeError):
     """The server refused a session command (or has no session API)."""
@@ -485,6 +519,13 @@ async def _check(url: str) -> dict[str, Any] | None:
         return await _debug_check(http)
 
 
+async def _counters(url: str) -> dict[str, int] | None:
+    import httpx
+
+    async with httpx.AsyncClient(base_url=url) as http:
+        return await session_counters(http)
+
+
 def trace_report(opts: TraceSessionsOptions, chains: Sequence[Chain],
                  runs: dict[str, dict[str, Any]], facts: dict[str, Any]) -> dict[str, Any]:
     """summary.json of ``bench trace-sessions``: the workload, each run's figures
@@ -563,9 +604,12 @@ def run_trace_sessions(opts: TraceSessionsOptions) -> int:
         tag = time.strftime("%H%M%S")
         for i, mode in enumerate(CHAT_MODES[opts.mode]):
             asyncio.run(prepare_run(url, facts["model"], None, warm_up=i == 0))
+            before = asyncio.run(_counters(url))
             results, wall = asyncio.run(run_chains(url, chains, mode, opts.concurrency, tag))
             clean, verdict = checker_verdict(asyncio.run(_check(url)))
             runs[mode] = {**run_metrics(chain_turn_stats(results), wall),
+                          "server_sessions": counters_change(before,
+                                                             asyncio.run(_counters(url))),
                           "checker_clean": clean, "checker_verdict": verdict}
             turns_out += results
     except (JobSetupError, ServerStartError, SessionApiError) as err:

@@ -312,3 +312,20 @@ def test_cli_modes():
     args = build_parser().parse_args(["bench", "trace-sessions", "t.jsonl"])
     assert (args.mode, args.block, args.chains, args.turns, args.min_turns, args.max_context,
             args.concurrency, args.vocab_size) == ("both", 16, 16, 4, 3, 2048, 4, None)
+
+
+def test_server_session_counters_of_a_run():
+    from kvserve.bench.sessions import counters_change
+
+    before = {"session_slot_hits": 3, "session_mismatches": 1, "session_rollbacks": 0,
+              "session_reclaimed": 2}
+    after = {"session_slot_hits": 10, "session_mismatches": 1, "session_rollbacks": 2,
+             "session_reclaimed": 7}
+    change = counters_change(before, after)
+    assert change == {"slot_hits": 7, "mismatches": 0, "rollbacks": 2, "reclaimed": 5}
+    assert counters_change(None, after) is None
+    radix = {**run_metrics(_turns(96), 4.0), "server_sessions": counters_change(after, after)}
+    sessions = {**run_metrics(_turns(109), 4.0), "server_sessions": change}
+    lines = comparison_lines({"radix": radix, "sessions": sessions})
+    assert lines[-3] == f"{'server: slot hits / mismatches':<34}{'0 / 0':<26}7 / 0"
+    assert lines[-2] == f"{'server: rollbacks / reclaimed':<34}{'0 / 0':<26}2 / 5"
