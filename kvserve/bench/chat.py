@@ -16,6 +16,17 @@ names a running server.
       requests.jsonl with every request's text and reply, server.log)
     SIGTERM the server, always (errors and Ctrl-C too)
 
+``--mode`` (``ChatJobOptions.mode``): "radix" (the default, above: the history matched in
+the radix cache), "sessions" (each conversation opens a streaming session, every turn
+sends the whole conversation with ``session_params {"id"}`` and the session is closed
+after the last turn) or "both" (one short warm-up request, then radix and sessions on
+the same server, ``/flush_cache`` before each, side by side in the summary:
+``bench.sessions.comparison_lines``). A session reuses its held KV only when the
+re-rendered history extends the tokens it holds: the chat template re-tokenizes the
+assistant's reply from its text, and a reply whose text re-encodes to other ids falls
+back to the tree (counted: "turns >= 2 reusing all held KV", and the server's slot hits
+and mismatches).
+
 Requests are greedy (temperature 0: a run is reproducible) and end at the model's end of
 turn ("stop") or at ``max_tokens`` ("length"); the summary counts both. TTFT runs from
 sending the request to the first non-empty content chunk; ITL is the gap between
