@@ -1,6 +1,6 @@
 """kvserve command line: serve (OpenAI-compatible HTTP server), benchmarks (bench
-prefix-cache | replay | decode-steady | chat), init-model (random-weight checkpoints) and
-generate (one completion)."""
+prefix-cache | replay | decode-steady | chat | trace-sessions), init-model (random-weight
+checkpoints) and generate (one completion)."""
 
 from __future__ import annotations
 
@@ -85,6 +85,7 @@ def _add_bench_parser(commands: Subcommands) -> None:
     _add_replay_parser(bench)
     _add_decode_steady_parser(bench)
     _add_chat_parser(bench)
+    _add_trace_sessions_parser(bench)
 
 
 def _add_prefix_cache_parser(commands: Subcommands) -> None:
@@ -176,6 +177,51 @@ def _add_chat_parser(commands: Subcommands) -> None:
                       "current folder")
     chat.add_argument("--api-key", help="API key of the --url server")
     chat.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    chat.add_argument("--mode", choices=["radix", "sessions", "both"], default=defaults.mode,
+                      help="radix: each turn re-sends the history, matched in the radix "
+                      "cache; sessions: each conversation through a streaming session "
+                      "(/open_session, session_params, /close_session); both: radix then "
+                      "sessions on the same server, the cache flushed before each, side by "
+                      "side in the report")
+
+
+def _add_trace_sessions_parser(commands: Subcommands) -> None:
+    from kvserve.bench.sessions import TraceSessionsOptions
+
+    defaults = TraceSessionsOptions(trace="")
+    ts = commands.add_parser(
+        "trace-sessions",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        help="a Mooncake trace's chained turns through streaming sessions vs the radix cache",
+        description="Pick the conversation chains of a Mooncake trace (rows that extend an "
+        "earlier row's blocks), scale blocks to --block tokens, and run each chain's turns "
+        "(turn k = turn k-1's prompt + its output + the new blocks) through /generate: with "
+        "a session (only the new tokens, session_params rid) and/or without (the whole "
+        "context, radix cache). Prints TTFT p50/p99, prefill tokens computed, output "
+        "tokens/s and hit ratio for each; starts kvserve serve here unless --url.",
+    )
+    ts.add_argument("trace", help="Mooncake hash-id trace (.jsonl)")
+    ts.add_argument("--url", help="a running server (started with --enable-debug-endpoints); "
+                    "None: start kvserve serve here")
+    ts.add_argument("--model", help="model for the server started here; None: its default")
+    ts.add_argument("--mode", choices=["radix", "sessions", "both"], default=defaults.mode,
+                    help="which runs")
+    ts.add_argument("--block", type=_positive, default=defaults.block,
+                    help="tokens per trace block (Mooncake's are 512; outputs scale alike)")
+    ts.add_argument("--chains", type=_positive, default=defaults.chains, help="chains to run")
+    ts.add_argument("--turns", type=_positive, default=defaults.turns,
+                    help="most turns per chain")
+    ts.add_argument("--min-turns", type=_positive, default=defaults.min_turns,
+                    help="skip chains with fewer turns")
+    ts.add_argument("--max-context", type=_positive, default=defaults.max_context,
+                    help="tokens: a chain stops before a turn whose context + output would "
+                    "pass this")
+    ts.add_argument("--concurrency", type=_positive, default=defaults.concurrency,
+                    help="chains in flight at once")
+    ts.add_argument("--vocab-size", type=_positive, default=None,
+                    help="token ids are mapped below this; None: the served model's "
+                    "config.json")
+    ts.add_argument("--report-dir", help="report folder; None: reports/trace-sessions-<time>/")
 
 
 def _add_init_model_parser(commands: Subcommands) -> None:
@@ -311,7 +357,21 @@ def _bench_chat(args: argparse.Namespace) -> int:
     return run_chat_job(ChatJobOptions(
         url=args.url, model=args.model, conversations=args.conversations, turns=args.turns,
         concurrency=args.concurrency, max_tokens=args.max_tokens, report_dir=args.report_dir,
-        api_key=args.api_key, progress=not args.no_progress))
+        api_key=args.api_key, progress=not args.no_progress, mode=args.mode))
+
+
+def _bench_trace_sessions(args: argparse.Namespace) -> int:
+    from kvserve.bench.sessions import TraceSessionsOptions, run_trace_sessions
+
+    if args.url and args.model:
+        print("kvserve: --model picks the model of the server started here; it cannot be "
+              "used with --url", file=sys.stderr)
+        return 2
+    return run_trace_sessions(TraceSessionsOptions(
+        trace=args.trace, url=args.url, model=args.model, mode=args.mode, block=args.block,
+        chains=args.chains, turns=args.turns, min_turns=args.min_turns,
+        max_context=args.max_context, concurrency=args.concurrency,
+        vocab_size=args.vocab_size, report_dir=args.report_dir))
 
 
 def _bench_decode_steady(args: argparse.Namespace) -> int:
@@ -367,6 +427,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "replay": _bench_replay,
         "decode-steady": _bench_decode_steady,
         "chat": _bench_chat,
+        "trace-sessions": _bench_trace_sessions,
     }
     return handlers[args.bench](args)
 

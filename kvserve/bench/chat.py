@@ -16,6 +16,17 @@ names a running server.
       requests.jsonl with every request's text and reply, server.log)
     SIGTERM the server, always (errors and Ctrl-C too)
 
+``--mode`` (``ChatJobOptions.mode``): "radix" (the default, above: the history matched in
+the radix cache), "sessions" (each conversation opens a streaming session, every turn
+sends the whole conversation with ``session_params {"id"}`` and the session is closed
+after the last turn) or "both" (one short warm-up request, then radix and sessions on
+the same server, ``/flush_cache`` before each, side by side in the summary:
+``bench.sessions.comparison_lines``). A session reuses its held KV only when the
+re-rendered history extends the tokens it holds: the chat template re-tokenizes the
+assistant's reply from its text, and a reply whose text re-encodes to other ids falls
+back to the tree (counted: "turns >= 2 reusing all held KV", and the server's slot hits
+and mismatches).
+
 Requests are greedy (temperature 0: a run is reproducible) and end at the model's end of
 turn ("stop") or at ``max_tokens`` ("length"); the summary counts both. TTFT runs from
 sending the request to the first non-empty content chunk; ITL is the gap between
@@ -53,6 +64,15 @@ from pathlib import Path
 from typing import Any
 
 from kvserve.bench.chat_data import EXTRA_TURNS, SCRIPTS, SYSTEM_PROMPTS
+from kvserve.bench.sessions import (
+    TurnStat,
+    comparison,
+    comparison_lines,
+    counters_change,
+    held_tokens,
+    run_metrics,
+    session_counters,
+)
 from kvserve.bench.stats import percentile
 from kvserve.server.process import ServerProcess, ServerStartError
 
@@ -121,6 +141,7 @@ class TurnResult:
     finish_reason: str | None = None  # "stop" (EOS or a stop string), "length", "abort"
     text: str = ""  # the assistant's reply
     error: str | None = None
+    mode: str = "radix"  # "radix": history matched in the tree; "sessions": a session's turn
 
 
 @dataclass(frozen=True, slots=True)
@@ -252,6 +273,10 @@ class ChatJobOptions:
     report_dir: str | None = None  # default reports/chat-<time>/ in the current folder
     api_key: str | None = None
     progress: bool = True
+    mode: str = "radix"  # "radix", "sessions" or "both" (radix, then sessions: MODES)
+
+
+MODES = {"radix": ("radix",), "sessions": ("sessions",), "both": ("radix", "sessions")}
 
 
 @dataclass
@@ -263,10 +288,11 @@ class RunOutcome:
     check: dict[str, Any] | None  # /debug/check report; None when the server lacks it
     wall_s: float
     skipped: int
+    sessions: dict[str, int] | None = None  # the server's session counters' change
 
 
 async def _send_turn(client: Any, model: str, messages: list[Any], result: TurnResult,
-                     t0: float) -> None:
+                     t0: float, session_id: str | None = None) -> None:
     import openai
 
     start = t0 + result.start_s
@@ -275,7 +301,8 @@ async def _send_turn(client: Any, model: str, messages: list[Any], result: TurnR
     try:
         stream = await client.chat.completions.create(
             model=model, messages=messages, max_tokens=result.max_tokens, temperature=0,
-            stream=True, stream_options={"include_usage": True})
+            stream=True, stream_options={"include_usage": True},
+            extra_body=None if session_id is None else {"session_params": {"id": session_id}})
         async for chunk in stream:
             now = time.perf_counter()
             if chunk.usage is not None:
@@ -299,23 +326,42 @@ async def _send_turn(client: Any, model: str, messages: list[Any], result: TurnR
     result.text = "".join(parts)
 
 
-async def _conversation(client: Any, model: str, index: int, conv: Conversation,
+async def _conversation(client: Any, http: Any, model: str, index: int, conv: Conversation,
                         max_tokens: int, t0: float, results: list[TurnResult],
-                        bar: Any) -> int:
+                        bar: Any, mode: str = "radix") -> int:
     """Run one conversation's turns in order, each re-sending the history with the
-    model's own replies; returns the turns skipped after a failure."""
+    model's own replies; returns the turns skipped after a failure. With mode
+    "sessions" the conversation opens a session, every turn names it
+    (``session_params``) and the session is closed at the end."""
+    from kvserve.bench.sessions import SessionApiError, close_session, open_session
+
+    session_id = None
+    if mode == "sessions":
+        try:
+            session_id = await open_session(http)
+        except SessionApiError as err:
+            failed = TurnResult(index, 0, time.perf_counter() - t0, max_tokens, conv.system,
+                                conv.user_turns[0], error=str(err), mode=mode)
+            results.append(failed)
+            bar.update(1)
+            return len(conv.user_turns) - 1
     messages: list[Any] = [{"role": "system", "content": conv.system}]
-    for turn, user in enumerate(conv.user_turns):
-        messages.append({"role": "user", "content": user})
-        result = TurnResult(index, turn, time.perf_counter() - t0, max_tokens, conv.system,
-                            user)
-        await _send_turn(client, model, messages, result, t0)
-        results.append(result)
-        bar.update(1)
-        if result.error is not None:
-            bar.set_postfix_str(f"errors={sum(r.error is not None for r in results)}")
-            return len(conv.user_turns) - turn - 1
-        messages.append({"role": "assistant", "content": result.text})
+    try:
+        for turn, user in enumerate(conv.user_turns):
+            messages.append({"role": "user", "content": user})
+            result = TurnResult(index, turn, time.perf_counter() - t0, max_tokens,
+                                conv.system, user, mode=mode)
+            await _send_turn(client, model, messages, result, t0, session_id)
+            results.append(result)
+            bar.update(1)
+            if result.error is not None:
+                bar.set_postfix_str(f"errors={sum(r.error is not None for r in results)}")
+                return len(conv.user_turns) - turn - 1
+            messages.append({"role": "assistant", "content": result.text})
+    finally:
+        if session_id is not None:
+            with suppress(SessionApiError):  # the checker reports a session left open
+                await close_session(http, session_id)
     return 0
 
 
@@ -351,9 +397,9 @@ async def _debug_check(http: Any) -> dict[str, Any] | None:
 
 
 async def run_workload(url: str, model: str, convs: list[Conversation],
-                       opts: ChatJobOptions) -> RunOutcome:
+                       opts: ChatJobOptions, mode: str = "radix") -> RunOutcome:
     """Send the conversations (``opts.concurrency`` at once), sample /metrics meanwhile,
-    then ask the checker."""
+    then ask the checker. ``mode`` "sessions": each conversation through a session."""
     import httpx
     import openai
     from tqdm import tqdm
@@ -362,6 +408,9 @@ async def run_workload(url: str, model: str, convs: list[Conversation],
     client = openai.AsyncOpenAI(base_url=url + "/v1", api_key=opts.api_key or "unused",
                                 max_retries=0, timeout=REQUEST_TIMEOUT_S)
     async with httpx.AsyncClient(base_url=url, headers=headers) as http, client:
+        if mode == "sessions":
+            await _probe_sessions(http)
+        counters = await session_counters(http)
         t0 = time.perf_counter()
         before = await _scrape(http, t0)
         samples: list[MetricsSample] = [before] if before else []
@@ -369,15 +418,15 @@ async def run_workload(url: str, model: str, convs: list[Conversation],
         total = sum(len(c.user_turns) for c in convs)
         queue = list(enumerate(convs))[::-1]
         done = asyncio.Event()
-        with tqdm(total=total, unit="req", desc="chat", file=sys.stderr,
+        with tqdm(total=total, unit="req", desc=f"chat {mode}", file=sys.stderr,
                   disable=not opts.progress, dynamic_ncols=True) as bar:
 
             async def worker() -> int:
                 skipped = 0
                 while queue:
                     index, conv = queue.pop()
-                    skipped += await _conversation(client, model, index, conv,
-                                                   opts.max_tokens, t0, results, bar)
+                    skipped += await _conversation(client, http, model, index, conv,
+                                                   opts.max_tokens, t0, results, bar, mode)
                 return skipped
 
             sampler = asyncio.create_task(_sample_metrics(http, t0, samples, done))
@@ -389,12 +438,70 @@ async def run_workload(url: str, model: str, convs: list[Conversation],
         wall_s = max((r.end_s for r in results), default=0.0)
         check = await _debug_check(http)
         after = await _scrape(http, t0)
+        counted = counters_change(counters, await session_counters(http))
     if after is not None:
         samples.append(after)
-    return RunOutcome(results, samples, before, after, check, wall_s, sum(skipped))
+    return RunOutcome(results, samples, before, after, check, wall_s, sum(skipped), counted)
+
+
+async def _probe_sessions(http: Any) -> None:
+    """Open and close one session; JobSetupError when the server has no session API."""
+    from kvserve.bench.sessions import SessionApiError, close_session, open_session
+
+    try:
+        await close_session(http, await open_session(http))
+    except SessionApiError as err:
+        raise JobSetupError(f"{err} (--mode sessions needs kvserve's session API)") from None
+
+
+async def prepare_run(url: str, model: str, api_key: str | None, warm_up: bool) -> None:
+    """Before each run of a comparison: one short request first (``warm_up``: the first
+    run pays no one-time costs the second does not), then ``/flush_cache``, so no run
+    starts with the other's prefixes cached. Raises JobSetupError."""
+    import httpx
+    import openai
+
+    from kvserve.bench.sessions import SessionApiError, flush_cache
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    async with httpx.AsyncClient(base_url=url, headers=headers) as http:
+        if warm_up:
+            async with openai.AsyncOpenAI(base_url=url + "/v1", api_key=api_key or "unused",
+                                          max_retries=0, timeout=REQUEST_TIMEOUT_S) as client:
+                try:
+                    await client.chat.completions.create(
+                        model=model, messages=[{"role": "user", "content": "Hello!"}],
+                        max_tokens=8, temperature=0)
+                except openai.OpenAIError as err:
+                    raise JobSetupError(f"warm-up request failed: {err}") from None
+        try:
+            await flush_cache(http)
+        except (SessionApiError, httpx.HTTPError) as err:
+            raise JobSetupError(f"cannot flush the cache between runs: {err}") from None
 
 
 # -- summary and report ---------------------------------------------------------------------
+
+def turn_stats(results: list[TurnResult]) -> list[TurnStat]:
+    """The results as ``bench.sessions.TurnStat`` (held tokens: the conversation's
+    previous turn's prompt + completion - 1)."""
+    by_key = {(r.conversation, r.turn): r for r in results}
+    stats = []
+    for (conv, turn), r in sorted(by_key.items()):
+        prev = by_key.get((conv, turn - 1))
+        held = held_tokens(prev.prompt_tokens, prev.completion_tokens) if prev else 0
+        stats.append(TurnStat(turn, r.ttft_s, r.prompt_tokens, r.cached_tokens,
+                              r.completion_tokens, held, r.error is None))
+    return stats
+
+
+def run_summary(outcome: RunOutcome) -> dict[str, Any]:
+    """One run's figures (``bench.sessions.run_metrics``) with its checker verdict."""
+    clean, verdict = checker_verdict(outcome.check)
+    return {**run_metrics(turn_stats(outcome.results), outcome.wall_s),
+            "skipped_turns": outcome.skipped, "server_sessions": outcome.sessions,
+            "checker_clean": clean,
+            "checker_verdict": verdict}
 
 def checker_verdict(check: dict[str, Any] | None) -> tuple[bool | None, str]:
     """(clean, one line); clean is None when the server has no /debug/check."""
@@ -435,8 +542,14 @@ def _one_line(text: str, limit: int = SAMPLE_CHARS) -> str:
 
 def summarize(outcome: RunOutcome, opts: ChatJobOptions, url: str, facts: dict[str, Any],
               server_exit: int | None, machine: dict[str, Any] | None = None,
-              commit: str | None = None) -> dict[str, Any]:
-    """summary.json's content (times in ms or s as named, token counts exact)."""
+              commit: str | None = None,
+              runs: dict[str, RunOutcome] | None = None) -> dict[str, Any]:
+    """summary.json's content (times in ms or s as named, token counts exact). The
+    top-level figures are ``outcome``'s (the first run); ``runs`` (mode name -> outcome,
+    ``outcome`` among them) adds "runs" (``run_summary`` of each) and, with both modes,
+    "comparison" (``bench.sessions.comparison``)."""
+    runs = runs or {opts.mode: outcome}
+    per_run = {name: run_summary(o) for name, o in runs.items()}
     results = outcome.results
     ok = [r for r in results if r.error is None]
     errors = [r for r in results if r.error is not None]
@@ -493,7 +606,12 @@ def summarize(outcome: RunOutcome, opts: ChatJobOptions, url: str, facts: dict[s
         "checker": {"available": clean is not None, "clean": clean, "verdict": verdict,
                     "violations": list((outcome.check or {}).get("violations") or [])},
         "sample_replies": samples,
-        "ok": (not errors and outcome.skipped == 0 and clean is not False
+        "mode": opts.mode,
+        "runs": per_run,
+        **({"comparison": comparison(per_run["radix"], per_run["sessions"])}
+           if len(per_run) == 2 else {}),
+        "ok": (all(r["errors"] == 0 and r["skipped_turns"] == 0
+                   and r["checker_clean"] is not False for r in per_run.values())
                and server_exit in (None, 0)),
     }
 
@@ -554,7 +672,21 @@ def summary_lines(s: dict[str, Any]) -> list[str]:
         *([f"server exit       status {srv['exit_status']} after SIGTERM"]
           if srv["exit_status"] not in (None, 0) else []),
         *(f"error             {e}" for e in s["first_errors"]),
+        *_mode_lines(s),
     ]
+
+
+def _mode_lines(s: dict[str, Any]) -> list[str]:
+    """The runs side by side (not for a radix-only run: the lines above are all of it)."""
+    if s["mode"] == "radix":
+        return []
+    runs = s["runs"]
+    head = (f"runs              {' then '.join(runs)}, same server, the cache flushed before "
+            "each" if len(runs) > 1 else "run               every conversation through a "
+            "session (opened before turn 1, closed after the last)")
+    lines = ["", head, *("  " + line for line in comparison_lines(runs))]
+    lines += [f"  checker after {name}: {r['checker_verdict']}" for name, r in runs.items()]
+    return lines
 
 
 def sample_lines(s: dict[str, Any]) -> list[str]:
@@ -649,7 +781,12 @@ def plot_timeline(samples: list[MetricsSample], results: list[TurnResult], path:
     fig.savefig(path, dpi=100)
 
 
-def write_report(report_dir: Path, summary: dict[str, Any], outcome: RunOutcome) -> None:
+def write_report(report_dir: Path, summary: dict[str, Any], outcome: RunOutcome,
+                 runs: dict[str, RunOutcome] | None = None) -> None:
+    """summary.json, summary.md, requests.jsonl (every run's requests, each with its
+    mode), timeline.csv and timeline.png of ``outcome`` (the first run), and
+    timeline-<mode>.png of each further run."""
+    runs = runs or {summary["mode"]: outcome}
     (report_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     md = ["# kvserve bench chat", "", "```", *summary_lines(summary), "```", "",
           "```", *sample_lines(summary), "```", "",
@@ -659,7 +796,8 @@ def write_report(report_dir: Path, summary: dict[str, Any], outcome: RunOutcome)
           "prompt, user message and reply.", ""]
     (report_dir / "summary.md").write_text("\n".join(md))
     with (report_dir / "requests.jsonl").open("w") as f:
-        for r in sorted(outcome.results, key=lambda r: (r.conversation, r.turn)):
+        every = [r for o in runs.values() for r in o.results]
+        for r in sorted(every, key=lambda r: (r.mode != "radix", r.conversation, r.turn)):
             row = {"conversation": r.conversation, "turn": r.turn, "system": r.system,
                    "user": r.user, "reply": r.text, "finish_reason": r.finish_reason,
                    **{k: v for k, v in asdict(r).items() if k not in (
@@ -673,9 +811,12 @@ def write_report(report_dir: Path, summary: dict[str, Any], outcome: RunOutcome)
                                              for name in MetricsSample.__slots__[1:])]
                          for s in outcome.samples)
     w, srv = summary["workload"], summary["server"]
-    plot_timeline(outcome.samples, outcome.results, report_dir / "timeline.png",
-                  f"kvserve bench chat: {srv['model']}, {w['conversations']} conversations x "
-                  f"{w['turns']} turns, concurrency {w['concurrency']}", w["concurrency"])
+    for name, run in runs.items():
+        plot_timeline(run.samples, run.results, report_dir / (
+            "timeline.png" if run is outcome else f"timeline-{name}.png"),
+            f"kvserve bench chat ({name}): {srv['model']}, {w['conversations']} "
+            f"conversations x {w['turns']} turns, concurrency {w['concurrency']}",
+            w["concurrency"])
 
 
 @contextmanager
@@ -725,7 +866,13 @@ def run_chat_job(opts: ChatJobOptions) -> int:
                   f"{facts['model']}, {_weights(facts['random_weights'])}), concurrency "
                   f"{opts.concurrency}, max_tokens {opts.max_tokens}", file=sys.stderr,
                   flush=True)
-            outcome = asyncio.run(run_workload(url, facts["model"], convs, opts))
+            runs: dict[str, RunOutcome] = {}
+            modes = MODES[opts.mode]
+            for i, mode in enumerate(modes):
+                if len(modes) > 1:
+                    asyncio.run(prepare_run(url, facts["model"], opts.api_key, warm_up=i == 0))
+                runs[mode] = asyncio.run(run_workload(url, facts["model"], convs, opts, mode))
+            outcome = runs[modes[0]]
         except (JobSetupError, ServerStartError) as err:
             print(f"kvserve: {err}", file=sys.stderr)
             return 2
@@ -735,10 +882,11 @@ def run_chat_job(opts: ChatJobOptions) -> int:
         finally:
             if server is not None:
                 server_exit = server.stop()
-    summary = summarize(outcome, opts, url, facts, server_exit)
-    write_report(report_dir, summary, outcome)
+    summary = summarize(outcome, opts, url, facts, server_exit, runs=runs)
+    write_report(report_dir, summary, outcome, runs)
     print("\n".join([*summary_lines(summary), *sample_lines(summary)]))
     print(f"report            {report_dir}/ (summary.json, summary.md, timeline.png, "
           f"timeline.csv, requests.jsonl"
+          f"{''.join(f', timeline-{m}.png' for m in list(runs)[1:])}"
           f"{', server.log' if server else ''})", flush=True)
     return 0 if summary["ok"] else 1
