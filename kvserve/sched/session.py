@@ -362,14 +362,16 @@ class SessionManager:
                 yield session.slot
 
     def reclaimable_tokens(self) -> int:
+        """Owned pages of every idle slot, plus the locked prefixes only idle slots lock
+        (counted together: slots sharing a system prompt free it only all together)."""
         page_size = self.tree_cache.page_size
-        total = 0
+        owned = 0
+        locks = []
         for slot in self._idle_slots():
-            kv = slot.kv
-            total += len(kv.owned_page_ids(page_size)) * page_size
-            if kv.lock is not None:
-                total += self.tree_cache.unlock_gain(kv.lock)
-        return total
+            owned += len(slot.kv.owned_page_ids(page_size))
+            if slot.kv.lock is not None:
+                locks.append(slot.kv.lock)
+        return owned * page_size + (self.tree_cache.unlock_gain(locks) if locks else 0)
 
     def reclaimable_rows(self) -> int:
         return sum(1 for slot in self._idle_slots() if slot.kv.holds_row)

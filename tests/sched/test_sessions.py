@@ -4,15 +4,18 @@ after every step. A turn's tokens must equal the reference for the context the t
 builds itself (not the one the session built), pool numbers and counters are exact."""
 
 import dataclasses
+from typing import Any
 
 import pytest
 
 from kvserve.mem.pages import num_pages
 from kvserve.sched import ReqState
-from kvserve.sched.req import OOM_MESSAGE, FinishKind, RequestRejected
+from kvserve.sched.req import FinishKind, RequestRejected
 from kvserve.sched.scheduler import AbortStatus, SpecConfig
 from kvserve.sched.session import SessionError, SessionStats
 from kvserve.testing.scripted import ScriptedEngine
+
+NOT_AN_OBJECT: Any = "s"
 
 
 def toks(start, n):
@@ -327,7 +330,7 @@ def test_edited_history_offset_releases_the_slot_to_the_tree():
 def test_other_rid_falls_back_to_the_tree_and_whole_history_resent_hits_the_slot():
     e = ScriptedEngine(page_size=4, num_tokens=512, num_rows=4, context_len=256)
     sid = e.open_session()
-    ctx0, ctx1 = two_turns(e, sid)
+    ctx0, _ctx1 = two_turns(e, sid)
     h2 = turn(e, sid, toks(600, 3), "t2", base="t0")  # a sibling of t1
     e.run_until_idle()
     ctx2 = done(e, h2, ctx0 + toks(600, 3))
@@ -354,7 +357,7 @@ def test_other_rid_falls_back_to_the_tree_and_whole_history_resent_hits_the_slot
 def test_turn_while_one_in_flight_is_refused_and_nothing_changes():
     e = ScriptedEngine(page_size=4, num_tokens=512, num_rows=4, context_len=256)
     sid = e.open_session()
-    ctx0, _ = two_turns(e, sid)
+    _ctx0, _ = two_turns(e, sid)
     h2 = turn(e, sid, [900], "t2", base="t1", max_new=10)
     e.step()
     before = snapshot(e, sid)
@@ -372,7 +375,7 @@ def test_turn_while_one_in_flight_is_refused_and_nothing_changes():
 def test_bad_session_params_are_refused_and_nothing_changes():
     e = ScriptedEngine(page_size=4, num_tokens=512, num_rows=4, context_len=256)
     sid = e.open_session(capacity_of_str_len=60)
-    ctx0, ctx1 = two_turns(e, sid)
+    _ctx0, ctx1 = two_turns(e, sid)
     before = snapshot(e, sid)
     bad = [
         ({"id": "nope"}, "no open session 'nope'"),
@@ -393,7 +396,7 @@ def test_bad_session_params_are_refused_and_nothing_changes():
             e.add(new, rid="x", session_params=params, max_new_tokens=3)
         assert snapshot(e, sid) == before
     with pytest.raises(SessionError, match="must be an object"):
-        e.add([1], rid="x", session_params="s")  # type: ignore[arg-type]
+        e.add([1], rid="x", session_params=NOT_AN_OBJECT)
     with pytest.raises(SessionError, match="already open"):
         e.open_session(sid)
     with pytest.raises(SessionError, match="capacity_of_str_len must be a positive integer"):
@@ -408,7 +411,7 @@ def test_bad_session_params_are_refused_and_nothing_changes():
 def test_replace_aborts_the_turn_in_flight_and_forgets_later_turns():
     e = ScriptedEngine(page_size=4, num_tokens=512, num_rows=4, context_len=256)
     sid = e.open_session()
-    ctx0, ctx1 = two_turns(e, sid)
+    ctx0, _ctx1 = two_turns(e, sid)
     h2 = turn(e, sid, [900], "t2", base="t1", max_new=20)
     for _ in range(3):
         e.step()
@@ -597,5 +600,54 @@ def test_slot_reclaimed_while_its_turn_waits():
     ctx1 = done(e, t1, ctx0 + toks(300, 4))
     slot_ladder(e, sid, ctx1)
     assert e.scheduler.sessions.stats == SessionStats(opened=1, reclaimed=1)
+    assert e.close_session(sid)
+    e.assert_idle_and_full()
+
+
+# -- what admission counts on ------------------------------------------------------------------
+
+
+def test_idle_sessions_sharing_a_system_prompt_are_counted_together():
+    """Two idle slots lock the same system prompt: releasing either alone frees only its
+    branch, releasing both frees the prompt too. Admission must count the second (a
+    request needing it was never admitted and the idle engine stalled)."""
+    e = ScriptedEngine(page_size=4, num_tokens=256, num_rows=4, context_len=256)
+    system = toks(100, 160)
+    held = []
+    for i in range(2):
+        sid = e.open_session()
+        h = turn(e, sid, system + toks(1000 + 10 * i, 8), f"{sid}-0", max_new=2)
+        e.run_until_idle()
+        held.append((sid, done(e, h, system + toks(1000 + 10 * i, 8), 2)))
+    assert e.check().pools["kv_tokens"] == {
+        "available": 256 - 160 - 2 * 12, "evictable": 0, "protected": 160 + 2 * 8,
+        "session_held": 8, "pending_release": 0, "uncached": 0, "held": 0, "total": 256}
+    assert e.scheduler.sessions.reclaimable_tokens() == 256 - 72
+    big = e.add(toks(5000, 150), rid="big", max_new_tokens=4)
+    e.run_until_idle()
+    assert big.output_ids == e.reference(toks(5000, 150), 4)
+    assert e.scheduler.sessions.stats.reclaimed == 2
+    for sid, _ in held:
+        assert e.close_session(sid)
+    e.assert_idle_and_full()
+
+
+def test_admission_does_not_count_a_slot_prefix_a_new_request_locked():
+    """A plain request that locks the prefix an idle slot holds makes that prefix
+    unreclaimable: the next request of the step must not be admitted on it (it was,
+    and its allocation missed after admission)."""
+    e = ScriptedEngine(page_size=4, num_tokens=256, num_rows=4, context_len=256)
+    sid = e.open_session()
+    system = toks(100, 160)
+    h = turn(e, sid, system, "t0", max_new=1)
+    e.run_until_idle()
+    done(e, h, system, 1)
+    assert e.pools.allocator.available_size() == 96
+    shared = e.add(system + toks(900, 40), rid="shared", max_new_tokens=30)
+    other = e.add(toks(5000, 60), rid="other", max_new_tokens=4)
+    e.run_until_idle()
+    assert shared.output_ids == e.reference(system + toks(900, 40), 30)
+    assert other.output_ids == e.reference(toks(5000, 60), 4)
+    assert e.scheduler.stats.retractions == 0
     assert e.close_session(sid)
     e.assert_idle_and_full()
