@@ -161,12 +161,14 @@ class StreamingSession:
             return base[:offset].tolist() + list(new_ids)
         return base.tolist() + list(new_ids)
 
-    def find_active_slot(self, context: Sequence[int]) -> SessionSlot | None:
-        """The slot a turn with ``context`` continues: it holds KV for a proper prefix of
-        ``context`` (at least one token is left to compute). None otherwise."""
+    def find_active_slot(self, context: Sequence[int], extra_key: str | None = None
+                         ) -> SessionSlot | None:
+        """The slot a turn with ``context`` (in the cache namespace ``extra_key``)
+        continues: it holds KV of that namespace for a proper prefix of ``context`` (at
+        least one token is left to compute). None otherwise."""
         slot = self.slot
         held = len(slot.tokens)
-        if not slot.is_holding_kv or held >= len(context):
+        if not slot.is_holding_kv or held >= len(context) or slot.extra_key != extra_key:
             return None
         if list(context[:held]) != slot.tokens:
             return None
@@ -290,9 +292,10 @@ class SessionManager:
                     del session.turns[later]
         session.active = req
         req.session = session
-        if session.slot.is_holding_kv and session.find_active_slot(req.fill_ids) is None:
+        slot = session.slot
+        if slot.is_holding_kv and session.find_active_slot(req.fill_ids, req.extra_key) is None:
             self.stats.mismatches += 1
-            self._release_slot(session.slot)
+            self._release_slot(slot)
 
     def match(self, req: Req) -> bool:
         """Admission's match for a session turn: when its slot holds KV the context
@@ -301,7 +304,7 @@ class SessionManager:
         session: StreamingSession | None = req.session
         if session is None or session.active is not req:
             return False
-        slot = session.find_active_slot(req.fill_ids)
+        slot = session.find_active_slot(req.fill_ids, req.extra_key)
         if slot is None:
             return False
         req.match_len, req.match_node = slot.kv.committed_len, SLOT_MATCH

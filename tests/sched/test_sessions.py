@@ -651,3 +651,28 @@ def test_admission_does_not_count_a_slot_prefix_a_new_request_locked():
     assert e.scheduler.stats.retractions == 0
     assert e.close_session(sid)
     e.assert_idle_and_full()
+
+
+def test_a_turn_in_another_cache_namespace_does_not_take_over_the_slot():
+    """``extra_key`` namespaces the KV (cache salt, adapter): a turn with another one must
+    not continue the slot's KV, it matches its own namespace in the tree."""
+    e = ScriptedEngine(page_size=4, num_tokens=512, num_rows=4, context_len=256)
+    sid = e.open_session()
+    h0 = e.add(toks(100, 22), rid="t0", session_params={"id": sid}, extra_key="a",
+               max_new_tokens=6)
+    e.run_until_idle()
+    ctx0 = done(e, h0, toks(100, 22))
+    h1 = e.add([7], rid="t1", session_params={"id": sid, "rid": "t0"}, extra_key="b",
+               max_new_tokens=6)
+    assert not session(e, sid).slot.is_holding_kv
+    e.run_until_idle()
+    ctx1 = done(e, h1, ctx0 + [7])
+    assert h1.req.cached_tokens == 0
+    h2 = e.add([8], rid="t2", session_params={"id": sid, "rid": "t1"}, extra_key="b",
+               max_new_tokens=6)
+    e.run_until_idle()
+    done(e, h2, ctx1 + [8])
+    assert h2.req.cached_tokens == len(ctx1) - 1
+    assert e.scheduler.sessions.stats == SessionStats(opened=1, slot_hits=1, mismatches=1)
+    assert e.close_session(sid)
+    e.assert_idle_and_full()
