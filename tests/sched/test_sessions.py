@@ -676,3 +676,27 @@ def test_a_turn_in_another_cache_namespace_does_not_take_over_the_slot():
     assert e.scheduler.sessions.stats == SessionStats(opened=1, slot_hits=1, mismatches=1)
     assert e.close_session(sid)
     e.assert_idle_and_full()
+
+
+def test_reclaim_takes_a_slot_whose_turn_waits_last():
+    e = ScriptedEngine(page_size=4, num_tokens=256, num_rows=4, context_len=256,
+                       max_running_requests=1)
+    (a, ctx_a), (b, _) = hold_sessions(e, 2, prompt_len=21, max_new=3)
+    plain = e.add(toks(5000, 30), rid="p", max_new_tokens=12)
+    ta = turn(e, a, [9], "a-1", base=f"{a}-0")  # a is older, but its turn waits
+    e.step()
+    assert ta.state is ReqState.WAITING
+    while e.scheduler.sessions.stats.reclaimed == 0:
+        e.tree_cache.evict(10**9)
+        e.exhaust_pool(10**9)
+        e.step()
+        e.restore_pool()
+    assert e.scheduler.sessions.stats.reclaimed == 1
+    assert session(e, a).slot.is_holding_kv and not session(e, b).slot.is_holding_kv
+    e.run_until_idle()
+    assert plain.output_ids == e.reference(toks(5000, 30), 12)
+    done(e, ta, ctx_a + [9])
+    assert ta.req.cached_tokens == len(ctx_a) - 1
+    for sid in (a, b):
+        assert e.close_session(sid)
+    e.assert_idle_and_full()
