@@ -20,6 +20,7 @@ SYSTEMS = [[], list(range(500, 520)), [3, 1, 4, 1, 5] * 5]
 CONTEXT_LEN = 192
 ABORT_MESSAGES = ("aborted by request", OOM_MESSAGE, "replaced by a newer turn of its session")
 MIN_STEPS = 600
+TIMEOUT = 50.0
 
 
 class SessionMachine(RuleBasedStateMachine):
@@ -32,13 +33,16 @@ class SessionMachine(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
+        self.now = 0.0
         self.e = ScriptedEngine(
             page_size=self.page_size, num_tokens=self.num_tokens, num_rows=5,
             context_len=CONTEXT_LEN, chunked_prefill_size=self.chunk, speculative=self.spec,
-            disable_radix_cache=not self.radix,
+            disable_radix_cache=not self.radix, session_timeout=TIMEOUT,
+            clock=lambda: self.now,
         )
         self.open: list[str] = []  # sessions the test may still send turns to
         self.completed: dict[str, dict[str, list[int]]] = {}  # sid -> rid -> prompt+output
+        self.history: dict[str, list[list[int]]] = {}  # every context completed (replace too)
         self.handles: list = []  # unfinished: (handle, context, sid or None)
         self.rids = 0
 
@@ -68,10 +72,18 @@ class SessionMachine(RuleBasedStateMachine):
                 CONTEXT_LEN
             if sid in self.completed:  # not closed since
                 self.completed[sid][h.rid] = context + h.output_ids
+                self.history[sid].append(context + h.output_ids)
         self.handles = pending
         sessions = self.e.scheduler.sessions.sessions
+        page_size = self.page_size
         for sid in self.open:
             assert list(sessions[sid].turns) == list(self.completed[sid]), sid
+            slot = sessions[sid].slot
+            kv = slot.kv
+            if slot.is_holding_kv:  # a completed turn's KV, all but its last token, trimmed
+                assert kv.allocated_len == kv.committed_len == len(slot.tokens)
+                assert len(kv.page_ids) == -(-kv.committed_len // page_size)
+                assert any(ctx[:-1] == slot.tokens for ctx in self.history[sid])
 
     # -- sessions -------------------------------------------------------------------
     @precondition(lambda self: len(self.open) < 3)
@@ -80,6 +92,7 @@ class SessionMachine(RuleBasedStateMachine):
         sid = self.e.open_session("s-" + self._rid())
         self.open.append(sid)
         self.completed[sid] = {}
+        self.history[sid] = []
 
     @precondition(lambda self: self.open)
     @rule(index=st.integers(0, 99), base=st.sampled_from([None, -1, -1, -1, -2, 0]),
@@ -137,7 +150,7 @@ class SessionMachine(RuleBasedStateMachine):
         sid = self._session(index)
         assert self.e.close_session(sid)
         self.open.remove(sid)
-        del self.completed[sid]
+        del self.completed[sid], self.history[sid]
 
     # -- plain traffic, aborts, steps -------------------------------------------------
     @precondition(lambda self: len(self.e.scheduler.reqs) < 8)
@@ -179,6 +192,18 @@ class SessionMachine(RuleBasedStateMachine):
             type(self).steps += 1
             self._verify_finished()
 
+    @rule(seconds=st.sampled_from([1.0, 20.0, 60.0]))
+    def time_passes(self, seconds):
+        """Sessions idle (no turn in flight) longer than the timeout are closed."""
+        self.now += seconds
+        sessions = self.e.scheduler.sessions.sessions
+        idle = {sid for sid in self.open if sessions[sid].active is None
+                and sessions[sid].last_used < self.now - TIMEOUT}
+        assert set(self.e.scheduler.sessions.expire()) == idle
+        for sid in idle:
+            self.open.remove(sid)
+            del self.completed[sid], self.history[sid]
+
     @rule(num_tokens=st.integers(1, 200))
     def memory_pressure(self, num_tokens):
         """Take free pages away until the next call gives them back."""
@@ -218,7 +243,7 @@ class NoRadixSessionMachine(SessionMachine):
 def _run(machine):
     machine.steps = 0
     run_state_machine_as_test(
-        machine, settings=settings(settings(), max_examples=30, stateful_step_count=50))
+        machine, settings=settings(settings(), max_examples=100, stateful_step_count=50))
     assert machine.steps >= MIN_STEPS, f"only {machine.steps} scheduler steps executed"
 
 
