@@ -29,13 +29,14 @@ class SessionMachine(RuleBasedStateMachine):
     chunk: int | None = 8
     spec: SpecConfig | None = None
     radix = True
+    num_rows = 5
     steps = 0
 
     def __init__(self) -> None:
         super().__init__()
         self.now = 0.0
         self.e = ScriptedEngine(
-            page_size=self.page_size, num_tokens=self.num_tokens, num_rows=5,
+            page_size=self.page_size, num_tokens=self.num_tokens, num_rows=self.num_rows,
             context_len=CONTEXT_LEN, chunked_prefill_size=self.chunk, speculative=self.spec,
             disable_radix_cache=not self.radix, session_timeout=TIMEOUT,
             clock=lambda: self.now,
@@ -240,6 +241,14 @@ class NoRadixSessionMachine(SessionMachine):
     radix = False
 
 
+class FewRowsSessionMachine(SessionMachine):
+    """Fewer rows than sessions: idle slots give their rows back to new requests."""
+
+    page_size = 2
+    num_rows = 2
+    chunk = None
+
+
 def _run(machine):
     machine.steps = 0
     run_state_machine_as_test(
@@ -257,3 +266,7 @@ def test_sessions_random_events_page_4_speculative():
 
 def test_sessions_random_events_page_4_no_radix():
     _run(NoRadixSessionMachine)
+
+
+def test_sessions_random_events_two_rows():
+    _run(FewRowsSessionMachine)
