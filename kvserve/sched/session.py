@@ -332,19 +332,23 @@ class SessionManager:
         the session stays at its last completed turn; a closing session is dropped."""
         session: StreamingSession = req.session
         req.session = None
-        if session.active is req:
-            session.active = None
         completed = reason.kind is not FinishKind.ABORT
+        if session.active is not req:  # replaced (so aborted): the session is the new turn's
+            release_kv_cache(req, self.tree_cache, insert=insert)
+            if not completed:
+                self.stats.rollbacks += 1
+            return
+        session.active = None
         if completed:
             session.turns[req.rid] = array("i", req.fill_ids)
         session.last_used = self.clock()
-        keep = (completed and not session.closing and req.kv.holds_row
-                and session.active is None and self.sessions.get(session.session_id) is session)
+        registered = self.sessions.get(session.session_id) is session
+        keep = completed and not session.closing and req.kv.holds_row and registered
         if not keep:
             release_kv_cache(req, self.tree_cache, insert=insert)
-            if completed is False:
+            if not completed:
                 self.stats.rollbacks += 1
-            if session.closing and session.active is None:
+            if session.closing and registered:
                 self._drop(session)
             return
         slot = session.slot

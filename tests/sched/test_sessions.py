@@ -700,3 +700,26 @@ def test_reclaim_takes_a_slot_whose_turn_waits_last():
     for sid in (a, b):
         assert e.close_session(sid)
     e.assert_idle_and_full()
+
+
+def test_replaced_turn_ending_after_its_closing_session_was_dropped():
+    """Turn t1 decodes, t2 replaces it (t1's abort waits for its next batch), the session
+    is closed: t2 finishes in its prefill and drops the session, then t1's abort is
+    processed; it must release only its own KV (it dropped the session a second time)."""
+    e = ScriptedEngine(page_size=4, num_tokens=512, num_rows=4, context_len=256)
+    sid = e.open_session()
+    ctx0, _ = two_turns(e, sid)
+    t2 = turn(e, sid, [900], "t2", base="t1", max_new=20)
+    e.step()
+    e.step()
+    assert t2.state is ReqState.RUNNING
+    t3 = turn(e, sid, [910], "t3", base="t0", replace=True, max_new=1)
+    assert e.close_session(sid)
+    e.step()  # t3's prefill: its only token, the session is dropped
+    done(e, t3, ctx0 + [910], 1)
+    assert sid not in e.scheduler.sessions.sessions and t2.state is ReqState.RUNNING
+    e.run_until_idle()
+    assert t2.finished_reason.kind is FinishKind.ABORT
+    assert e.scheduler.sessions.stats == SessionStats(opened=1, closed=1, slot_hits=2,
+                                                      rollbacks=1)
+    e.assert_idle_and_full()
