@@ -196,9 +196,11 @@ class BasePrefixCache(ABC):
     def inc_lock_ref(self, node: Any) -> PrefixLock | None:
         """Protect the path ending at ``node`` from eviction; None for an empty prefix."""
 
-    def unlock_gain(self, lock: PrefixLock) -> int:
-        """Tokens that would become evictable if ``lock`` were handed back (its path's
-        nodes no other receipt locks); 0 for a cache without locks."""
+    def unlock_gain(self, locks: Sequence[PrefixLock]) -> int:
+        """Tokens that would become evictable if every receipt in ``locks`` were handed
+        back: the nodes on their paths that no other receipt locks (counted together, so
+        a prefix two of them share counts once it is theirs alone); 0 for a cache
+        without locks."""
         return 0
 
     @abstractmethod

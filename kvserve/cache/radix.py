@@ -245,12 +245,17 @@ class RadixCache(BasePrefixCache):
                     self._push(n)
             n = n.parent
 
-    def unlock_gain(self, lock: PrefixLock) -> int:
-        pages = 0
-        n: TreeNode | None = lock.node
-        while n is not None and n.parent is not None and n.lock_ref == 1:
-            pages += len(n.page_ids)
-            n = n.parent
+    def unlock_gain(self, locks: Sequence[PrefixLock]) -> int:
+        receipts: dict[int, int] = {}  # id(node) -> how many of ``locks`` lock it
+        nodes: dict[int, TreeNode] = {}
+        for lock in locks:
+            n: TreeNode | None = lock.node
+            while n is not None and n.parent is not None:
+                receipts[id(n)] = receipts.get(id(n), 0) + 1
+                nodes[id(n)] = n
+                n = n.parent
+        pages = sum(len(nodes[key].page_ids) for key, count in receipts.items()
+                    if count == nodes[key].lock_ref)
         return pages * self.pools.page_size
 
     def lock_page_ids(self, lock: PrefixLock) -> list[int]:

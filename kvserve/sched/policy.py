@@ -106,8 +106,9 @@ class PrefillAdder:
     ) -> None:
         self.tree_cache = tree_cache
         self.prefix = prefix or TreePrefix(tree_cache)
-        # what other sources (idle sessions) could give back, taken once per step
-        self.reclaimable = sum(r.reclaimable_tokens() for r in tree_cache.reclaimables)
+        # what other sources (idle sessions) could give back; taken again after each
+        # acquire, which may take over a slot or lock a prefix a slot locks too
+        self.reclaimable = self._reclaimable()
         self.page_size = tree_cache.page_size
         # tokens held back for what running requests will still decode (a float, as SGLang)
         self.offset: float = sum(remaining_new_tokens(r) * new_token_ratio for r in running)
@@ -117,6 +118,9 @@ class PrefillAdder:
         self.idle = not running
         self.can_run: list[Req] = []
         self.new_chunked_req: Req | None = None
+
+    def _reclaimable(self) -> int:
+        return sum(r.reclaimable_tokens() for r in self.tree_cache.reclaimables)
 
     @property
     def rem_total_tokens(self) -> float:
@@ -169,14 +173,11 @@ class PrefillAdder:
         if chunk is not None and extend_len > chunk and floor_page(chunk, self.page_size) <= 0:
             return AddResult.OTHER
         self.prefix.acquire(req)
+        if self.reclaimable:  # acquiring only ever lowers it
+            self.reclaimable = self._reclaimable()
         kv = req.kv
-        slot_tokens = 0
-        if kv.holds_row:  # a session slot's KV, taken over whole: no longer reclaimable
+        if kv.holds_row:  # a session slot's KV, taken over whole
             held = kv.committed_len
-            slot_tokens = len(kv.owned_page_ids(self.page_size)) * self.page_size
-            if kv.lock is not None:
-                slot_tokens += self.tree_cache.unlock_gain(kv.lock)
-            self.reclaimable -= slot_tokens
         else:
             held = kv.lock.prefix_len if kv.lock is not None else 0
         if held != req.match_len:  # a stale match: go by what is really held
@@ -184,7 +185,7 @@ class PrefillAdder:
             extend_len = req.seq_len - held
         if not self._fits_memory(req, extend_len):  # the lock made part of evictable protected
             self.prefix.give_back(req)
-            self.reclaimable += slot_tokens
+            self.reclaimable = self._reclaimable()
             return AddResult.NO_TOKEN
         if chunk is None or extend_len <= chunk:
             req.extend_len = extend_len

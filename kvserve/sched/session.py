@@ -161,12 +161,14 @@ class StreamingSession:
             return base[:offset].tolist() + list(new_ids)
         return base.tolist() + list(new_ids)
 
-    def find_active_slot(self, context: Sequence[int]) -> SessionSlot | None:
-        """The slot a turn with ``context`` continues: it holds KV for a proper prefix of
-        ``context`` (at least one token is left to compute). None otherwise."""
+    def find_active_slot(self, context: Sequence[int], extra_key: str | None = None
+                         ) -> SessionSlot | None:
+        """The slot a turn with ``context`` (in the cache namespace ``extra_key``)
+        continues: it holds KV of that namespace for a proper prefix of ``context`` (at
+        least one token is left to compute). None otherwise."""
         slot = self.slot
         held = len(slot.tokens)
-        if not slot.is_holding_kv or held >= len(context):
+        if not slot.is_holding_kv or held >= len(context) or slot.extra_key != extra_key:
             return None
         if list(context[:held]) != slot.tokens:
             return None
@@ -290,9 +292,10 @@ class SessionManager:
                     del session.turns[later]
         session.active = req
         req.session = session
-        if session.slot.is_holding_kv and session.find_active_slot(req.fill_ids) is None:
+        slot = session.slot
+        if slot.is_holding_kv and session.find_active_slot(req.fill_ids, req.extra_key) is None:
             self.stats.mismatches += 1
-            self._release_slot(session.slot)
+            self._release_slot(slot)
 
     def match(self, req: Req) -> bool:
         """Admission's match for a session turn: when its slot holds KV the context
@@ -301,7 +304,7 @@ class SessionManager:
         session: StreamingSession | None = req.session
         if session is None or session.active is not req:
             return False
-        slot = session.find_active_slot(req.fill_ids)
+        slot = session.find_active_slot(req.fill_ids, req.extra_key)
         if slot is None:
             return False
         req.match_len, req.match_node = slot.kv.committed_len, SLOT_MATCH
@@ -329,19 +332,23 @@ class SessionManager:
         the session stays at its last completed turn; a closing session is dropped."""
         session: StreamingSession = req.session
         req.session = None
-        if session.active is req:
-            session.active = None
         completed = reason.kind is not FinishKind.ABORT
+        if session.active is not req:  # replaced (so aborted): the session is the new turn's
+            release_kv_cache(req, self.tree_cache, insert=insert)
+            if not completed:
+                self.stats.rollbacks += 1
+            return
+        session.active = None
         if completed:
             session.turns[req.rid] = array("i", req.fill_ids)
         session.last_used = self.clock()
-        keep = (completed and not session.closing and req.kv.holds_row
-                and session.active is None and self.sessions.get(session.session_id) is session)
+        registered = self.sessions.get(session.session_id) is session
+        keep = completed and not session.closing and req.kv.holds_row and registered
         if not keep:
             release_kv_cache(req, self.tree_cache, insert=insert)
-            if completed is False:
+            if not completed:
                 self.stats.rollbacks += 1
-            if session.closing and session.active is None:
+            if session.closing and registered:
                 self._drop(session)
             return
         slot = session.slot
@@ -362,14 +369,16 @@ class SessionManager:
                 yield session.slot
 
     def reclaimable_tokens(self) -> int:
+        """Owned pages of every idle slot, plus the locked prefixes only idle slots lock
+        (counted together: slots sharing a system prompt free it only all together)."""
         page_size = self.tree_cache.page_size
-        total = 0
+        owned = 0
+        locks = []
         for slot in self._idle_slots():
-            kv = slot.kv
-            total += len(kv.owned_page_ids(page_size)) * page_size
-            if kv.lock is not None:
-                total += self.tree_cache.unlock_gain(kv.lock)
-        return total
+            owned += len(slot.kv.owned_page_ids(page_size))
+            if slot.kv.lock is not None:
+                locks.append(slot.kv.lock)
+        return owned * page_size + (self.tree_cache.unlock_gain(locks) if locks else 0)
 
     def reclaimable_rows(self) -> int:
         return sum(1 for slot in self._idle_slots() if slot.kv.holds_row)

@@ -127,3 +127,57 @@ def test_strict_mode_raises_with_the_report():
     assert "kv_tokens:" in str(err.value)
     assert not err.value.report.ok
     assert h.checker.total_violations == len(err.value.report.violations)
+
+
+# -- streaming session slots (issue 12) ------------------------------------------------------
+
+
+def session_engine():
+    """A session whose slot holds 19 committed tokens (16 locked + 1 owned page) and a
+    plain request mid decode; the checker made lenient so it reports instead of raising."""
+    from kvserve.testing.scripted import ScriptedEngine
+
+    e = ScriptedEngine(page_size=4, num_tokens=256, num_rows=4, context_len=128)
+    sid = e.open_session("s")
+    e.add(list(range(100, 116)), rid="t0", session_params={"id": sid}, max_new_tokens=4)
+    e.run_until_idle()
+    plain = e.add(list(range(500, 510)), rid="p", max_new_tokens=20)
+    e.step()
+    e.step()
+    e.scheduler.checker.strict = False
+    return e, e.scheduler.sessions.sessions[sid].slot, plain.req
+
+
+def test_session_slots_are_counted_in_the_report():
+    e, _slot, _plain = session_engine()
+    report = e.check()
+    assert report.ok
+    assert report.pools["kv_tokens"] == {
+        "available": 256 - 20 - 12, "evictable": 0, "protected": 16 + 8, "session_held": 4,
+        "pending_release": 0, "uncached": 4, "held": 0, "total": 256}
+    assert report.pools["rows"] == {"free": 2, "session": 1, "live": 1, "size": 4}
+    assert "session_held=4" in str(report) and "session=1" in str(report)
+
+
+def test_slot_page_also_claimed_by_a_request_is_a_double_owner():
+    e, slot, plain = session_engine()
+    lost = plain.kv.page_ids[-1]
+    shared = slot.kv.page_ids[-1]
+    plain.kv.page_ids[-1] = shared
+    found = e.check().violations
+    assert f"page {shared} owned by both req:p and session:s" in found
+    assert f"1 pages have no owner (leaked): [{lost}]" in found
+    assert any(v.startswith("request p: row ") for v in found)
+
+
+def test_slot_record_dropped_without_release_is_a_leak():
+    from kvserve.kv import ReqKV
+
+    e, slot, _plain = session_engine()
+    owned = slot.kv.owned_page_ids(4)
+    slot.kv = ReqKV()  # forgotten, not released: its page, row and lock stay taken
+    found = e.check().violations
+    assert f"1 pages have no owner (leaked): {owned}" in found
+    assert "kv tokens: 4 missing from the sum (leak): 252 counted of 256" in found
+    assert "rows: 1 missing from the sum (leak): 3 counted of 4" in found
+    assert any("lock_ref=1 but 0 receipts lock it" in v for v in found)
