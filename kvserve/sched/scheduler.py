@@ -309,8 +309,9 @@ class Scheduler:
         return batch
 
     def get_new_batch_prefill(self) -> ScheduleBatch | None:
-        rows_free = (self.pools.req_to_token_pool.available_size()
-                     + self.tree_cache.reclaimable_rows())
+        rows_free = self.pools.req_to_token_pool.available_size()
+        if self.prefill.waiting:  # idle sessions' rows count only when someone may take them
+            rows_free += self.tree_cache.reclaimable_rows()
         admission = self.prefill.admit(self.decode.running, rows_free)
         if admission is None:
             return None

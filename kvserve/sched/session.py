@@ -157,7 +157,7 @@ class StreamingSession:
         if offset:
             if not -len(base) <= offset <= len(base):
                 raise SessionError(f"session_params.offset {offset} is outside turn "
-                                   f"{params.rid!r}'s {len(base)} tokens")
+                                   f"{params.rid!r} (its context has {len(base)} tokens)")
             return base[:offset].tolist() + list(new_ids)
         return base.tolist() + list(new_ids)
 
@@ -267,14 +267,18 @@ class SessionManager:
         session = self.sessions.get(params.id)
         if session is None or session.closing:
             raise SessionError(f"no open session {params.id!r}")
-        if session.active is not None and not params.replace:
+        # a turn whose abort is pending is already leaving (a client that hung up and sent
+        # its next turn at once): the new turn supersedes it, as with replace
+        active = session.active
+        if active is not None and active.to_finish is None and not params.replace:
             raise SessionError(f"session {params.id!r} has a turn in flight "
                                f"({session.active.rid!r}); wait for it, abort it, or send "
                                f"replace=true")
         context = session.context_for(params, new_ids)
         if session.capacity is not None and len(context) > session.capacity:
-            raise SessionError(f"the turn's context of {len(context)} tokens exceeds session "
-                               f"{params.id!r}'s capacity_of_str_len of {session.capacity}")
+            raise SessionError(f"the turn's context of {len(context)} tokens exceeds "
+                               f"session {params.id!r}, its capacity_of_str_len of "
+                               f"{session.capacity}")
         return context
 
     def attach(self, req: Req, params: SessionParams,
@@ -284,7 +288,7 @@ class SessionManager:
         forgotten. A slot whose tokens the context does not extend is released now."""
         session = self.sessions[params.id]
         if params.replace:
-            if session.active is not None:
+            if session.active is not None and session.active.to_finish is None:
                 abort(session.active.rid, "replaced by a newer turn of its session")
             if params.rid is not None:
                 rids = list(session.turns)

@@ -372,6 +372,33 @@ def test_turn_while_one_in_flight_is_refused_and_nothing_changes():
     e.assert_idle_and_full()
 
 
+def test_turn_sent_while_the_aborted_turn_is_still_leaving_is_accepted():
+    """A client hangs up and sends its next turn at once: the old turn's abort is
+    pending (applied when its batch's results are processed), the new turn supersedes
+    it without replace, the old one rolls back and the new one continues turn 0."""
+    e = ScriptedEngine(page_size=4, num_tokens=512, num_rows=8, context_len=400)
+    sid = e.open_session()
+    h0 = turn(e, sid, toks(100, 30), "t0", max_new=5)
+    e.run_until_idle()
+    ctx0 = done(e, h0, toks(100, 30), max_new=5)
+    h1 = turn(e, sid, [7, 8, 9], "t1", base="t0", max_new=20)
+    e.step()
+    e.step()
+    assert e.abort("t1") is AbortStatus.PENDING
+    h2 = turn(e, sid, [10, 11], "t2", base="t0", max_new=5)
+    assert session(e, sid).active is h2.req
+    e.run_until_idle()
+    assert h1.finished_reason.kind is FinishKind.ABORT
+    ctx2 = done(e, h2, ctx0 + [10, 11], max_new=5)
+    assert stats(e) == SessionStats(opened=1, slot_hits=1, rollbacks=1)
+    h3 = turn(e, sid, [12], "t3", base="t2", max_new=3)
+    e.run_until_idle()
+    done(e, h3, ctx2 + [12], max_new=3)
+    assert stats(e) == SessionStats(opened=1, slot_hits=2, rollbacks=1)
+    assert e.close_session(sid)
+    e.assert_idle_and_full()
+
+
 def test_bad_session_params_are_refused_and_nothing_changes():
     e = ScriptedEngine(page_size=4, num_tokens=512, num_rows=4, context_len=256)
     sid = e.open_session(capacity_of_str_len=60)
