@@ -343,7 +343,8 @@ class SessionManager:
                 self.stats.rollbacks += 1
             return
         session.active = None
-        if completed:
+        if completed:  # completion order (replace's "later turns"), also for a reused rid
+            session.turns.pop(req.rid, None)
             session.turns[req.rid] = array("i", req.fill_ids)
         session.last_used = self.clock()
         registered = self.sessions.get(session.session_id) is session

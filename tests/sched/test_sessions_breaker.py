@@ -1,0 +1,44 @@
+"""Adversarial regressions for streaming sessions (issue 12) through the scripted
+runtime: each test is one attack that once broke the session bookkeeping. Checker
+strict after every step; tokens equal the reference for the context the test builds."""
+
+from kvserve.sched import ReqState
+from kvserve.sched.req import FinishKind
+from kvserve.testing.scripted import ScriptedEngine
+
+
+def _turn(e, sid, new, rid, base=None, replace=None, max_new=3):
+    params = {"id": sid}
+    if base is not None:
+        params["rid"] = base
+    if replace is not None:
+        params["replace"] = replace
+    h = e.add(new, rid=rid, session_params=params, max_new_tokens=max_new)
+    e.run_until_idle()
+    assert h.state is ReqState.FINISHED and h.finished_reason.kind is FinishKind.LENGTH
+    return h
+
+
+def test_a_reused_turn_rid_counts_as_completed_last_for_replace():
+    """A client may name a new turn with the rid of an earlier one (it is not live): the
+    turn list is in completion order, so replace with that rid forgets only the turns
+    completed after its newest completion (here none)."""
+    e = ScriptedEngine(page_size=4, num_tokens=256)
+    sid = e.open_session("s")
+    a = _turn(e, sid, [5, 6, 7], "A")
+    ctx_a = [5, 6, 7] + a.output_ids
+    b = _turn(e, sid, [8], "B", base="A")
+    ctx_b = ctx_a + [8] + b.output_ids
+    a2 = _turn(e, sid, [9], "A", base="B")  # "A" again, completed after "B"
+    ctx_a2 = ctx_b + [9] + a2.output_ids
+    turns = e.scheduler.sessions.sessions[sid].turns
+    assert list(turns) == ["B", "A"]
+    assert turns["A"].tolist() == ctx_a2 and turns["B"].tolist() == ctx_b
+    c = _turn(e, sid, [10], "C", base="A", replace=True)  # nothing completed after A
+    assert c.req.prompt_ids == ctx_a2 + [10]
+    assert c.output_ids == e.reference(ctx_a2 + [10], 3)
+    assert list(turns) == ["B", "A", "C"]
+    d = _turn(e, sid, [11], "D", base="B")  # B is still a completed turn
+    assert d.output_ids == e.reference(ctx_b + [11], 3)
+    assert e.close_session(sid)
+    e.assert_idle_and_full()
