@@ -86,8 +86,9 @@ class SessionParams:
             raise SessionError(f"unknown session_params field(s): {', '.join(sorted(unknown))}")
         if "id" not in value:
             raise SessionError("session_params needs the session 'id'")
+        replace = value.get("replace")  # null is the default, as SGLang's Optional[bool]
         params = cls(value["id"], value.get("rid"), value.get("offset"),
-                     value.get("replace", False))
+                     False if replace is None else replace)
         params.validate()
         return params
 

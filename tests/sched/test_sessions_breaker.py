@@ -42,3 +42,18 @@ def test_a_reused_turn_rid_counts_as_completed_last_for_replace():
     assert d.output_ids == e.reference(ctx_b + [11], 3)
     assert e.close_session(sid)
     e.assert_idle_and_full()
+
+
+def test_null_session_params_fields_mean_their_defaults():
+    """SGLang's ``SessionParams`` fields are all optional: a client that serialises the
+    whole object sends ``"rid": null, "offset": null, "replace": null``; null is the
+    default for each of them (``replace`` too), not a refusal."""
+    e = ScriptedEngine(page_size=4, num_tokens=256)
+    sid = e.open_session("s")
+    h = e.add([5, 6, 7], rid="A", max_new_tokens=3,
+              session_params={"id": sid, "rid": None, "offset": None, "replace": None})
+    e.run_until_idle()
+    assert h.output_ids == e.reference([5, 6, 7], 3)
+    assert list(e.scheduler.sessions.sessions[sid].turns) == ["A"]
+    assert e.close_session(sid)
+    e.assert_idle_and_full()
