@@ -213,7 +213,12 @@ class SessionManager:
             session_id = uuid.uuid4().hex
         if not isinstance(session_id, str) or not session_id:
             raise SessionError("session_id must be a non-empty string")
-        if session_id in self.sessions:
+        session = self.sessions.get(session_id)
+        if session is not None and session.closing:  # the client closed it: say why it waits
+            raise SessionError(f"session {session_id!r} is closing: its turn in flight "
+                               f"({session.active.rid if session.active else None!r}) ends "
+                               f"first, open it again after that")
+        if session is not None:
             raise SessionError(f"session {session_id!r} is already open")
         if capacity_of_str_len is not None and (not _is_int(capacity_of_str_len)
                                                 or capacity_of_str_len < 1):

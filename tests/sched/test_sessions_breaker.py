@@ -4,6 +4,7 @@ strict after every step; tokens equal the reference for the context the test bui
 
 from kvserve.sched import ReqState
 from kvserve.sched.req import FinishKind
+from kvserve.sched.session import SessionError
 from kvserve.testing.scripted import ScriptedEngine
 
 
@@ -55,5 +56,29 @@ def test_null_session_params_fields_mean_their_defaults():
     e.run_until_idle()
     assert h.output_ids == e.reference([5, 6, 7], 3)
     assert list(e.scheduler.sessions.sessions[sid].turns) == ["A"]
+    assert e.close_session(sid)
+    e.assert_idle_and_full()
+
+
+def test_reopening_a_closing_session_says_it_is_closing_then_works_after_its_turn():
+    """Close with a turn in flight defers the release; opening the same id meanwhile is
+    refused as closing (not 'already open', which the client just closed), and works
+    once the turn has ended."""
+    e = ScriptedEngine(page_size=4, num_tokens=256)
+    sid = e.open_session("s")
+    h = e.add([5, 6, 7], rid="A", max_new_tokens=5, session_params={"id": sid})
+    e.step()
+    assert e.close_session(sid)
+    try:
+        e.open_session(sid)
+    except SessionError as err:
+        assert str(err) == ("session 's' is closing: its turn in flight ('A') ends first, "
+                            "open it again after that")
+    else:
+        raise AssertionError("reopening a closing session was accepted")
+    e.run_until_idle()
+    assert h.output_ids == e.reference([5, 6, 7], 5)
+    assert e.open_session(sid) == sid
+    assert e.scheduler.sessions.sessions[sid].turns == {}
     assert e.close_session(sid)
     e.assert_idle_and_full()
