@@ -278,7 +278,7 @@ class SessionManager:
         active = session.active
         if active is not None and active.to_finish is None and not params.replace:
             raise SessionError(f"session {params.id!r} has a turn in flight "
-                               f"({session.active.rid!r}); wait for it, abort it, or send "
+                               f"({active.rid!r}); wait for it, abort it, or send "
                                f"replace=true")
         context = session.context_for(params, new_ids)
         if session.capacity is not None and len(context) > session.capacity:
