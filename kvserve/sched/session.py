@@ -86,8 +86,9 @@ class SessionParams:
             raise SessionError(f"unknown session_params field(s): {', '.join(sorted(unknown))}")
         if "id" not in value:
             raise SessionError("session_params needs the session 'id'")
+        replace = value.get("replace")  # null is the default, as SGLang's Optional[bool]
         params = cls(value["id"], value.get("rid"), value.get("offset"),
-                     value.get("replace", False))
+                     False if replace is None else replace)
         params.validate()
         return params
 
@@ -212,7 +213,12 @@ class SessionManager:
             session_id = uuid.uuid4().hex
         if not isinstance(session_id, str) or not session_id:
             raise SessionError("session_id must be a non-empty string")
-        if session_id in self.sessions:
+        session = self.sessions.get(session_id)
+        if session is not None and session.closing:  # the client closed it: say why it waits
+            raise SessionError(f"session {session_id!r} is closing: its turn in flight "
+                               f"({session.active.rid if session.active else None!r}) ends "
+                               f"first, open it again after that")
+        if session is not None:
             raise SessionError(f"session {session_id!r} is already open")
         if capacity_of_str_len is not None and (not _is_int(capacity_of_str_len)
                                                 or capacity_of_str_len < 1):
@@ -272,7 +278,7 @@ class SessionManager:
         active = session.active
         if active is not None and active.to_finish is None and not params.replace:
             raise SessionError(f"session {params.id!r} has a turn in flight "
-                               f"({session.active.rid!r}); wait for it, abort it, or send "
+                               f"({active.rid!r}); wait for it, abort it, or send "
                                f"replace=true")
         context = session.context_for(params, new_ids)
         if session.capacity is not None and len(context) > session.capacity:
@@ -343,7 +349,8 @@ class SessionManager:
                 self.stats.rollbacks += 1
             return
         session.active = None
-        if completed:
+        if completed:  # completion order (replace's "later turns"), also for a reused rid
+            session.turns.pop(req.rid, None)
             session.turns[req.rid] = array("i", req.fill_ids)
         session.last_used = self.clock()
         registered = self.sessions.get(session.session_id) is session

@@ -62,6 +62,7 @@ class Generation:
     http: Request | None = None
     last_token_at: float | None = None
     disconnected: bool = False
+    session_id: str | None = None  # a streaming session's turn: that session
     logprobs_sent: int = 0  # streaming: tokens whose log-probabilities went out already
 
 
@@ -172,9 +173,11 @@ class Server:
         if rid in self.inflight:
             raise ApiError(400, f"duplicate request id {rid!r}", "rid")
         arrival = time.perf_counter()
+        if session is not None:
+            await self._abort_gone_turns(session.id)
         channel = await self.client.add(rid, ids, sampling, session)
         gen = Generation(rid, channel, OutputStream(self.tokenizer, sampling.stop), arrival,
-                         http)
+                         http, session_id=session.id if session is not None else None)
         self.inflight[rid] = gen
         return gen
 
@@ -211,6 +214,16 @@ class Server:
             gen.last_token_at = now
         if gen.stream.finished:
             self.metrics.e2e.observe(now - gen.arrival)
+
+    async def _abort_gone_turns(self, session_id: str) -> None:
+        """Abort the session's turn whose client hung up but the watcher has not seen yet
+        (a client that resets its stream and sends its next turn at once): the abort
+        reaches the engine before the new turn, which then supersedes it."""
+        for gen in list(self.inflight.values()):
+            if gen.session_id == session_id and gen.http is not None and not gen.disconnected \
+                    and not gen.stream.finished and await gen.http.is_disconnected():
+                gen.disconnected = True
+                self.client.abort(gen.rid)
 
     async def _watch_disconnects(self) -> None:
         while True:

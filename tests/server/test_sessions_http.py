@@ -258,3 +258,36 @@ def test_disconnect_mid_turn_rolls_back_and_the_next_turn_proceeds(
     assert stats["session_rollbacks"] == before["session_rollbacks"] + 1
     close_session(sserver, sid)
     sserver.assert_clean()
+
+
+def test_a_turn_sent_right_after_a_hang_up_is_not_refused(sserver: LiveServer) -> None:
+    """A client that resets its streaming turn and sends its next turn at once (before the
+    50 ms disconnect watcher runs) is not refused as 'a turn in flight': the session's
+    gone turn is aborted first, then the next turn continues the last completed one."""
+    sid = open_session(sserver)
+    t1 = generate(sserver, ids(20), 4, session_params={"id": sid})
+    rid = t1["meta_info"]["id"]
+    for attempt in range(4):  # without the check the watcher loses this race most times
+        sock = open_request(sserver, "/generate", {
+            "input_ids": ids(6, 80), "sampling_params": greedy(1500), "stream": True,
+            "session_params": {"id": sid, "rid": rid}})
+        read_until_events(sock, 2)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        sock.close()
+        # the next turn on a fresh socket at once (an HTTP client's pool is slower)
+        nxt = open_request(sserver, "/generate", {
+            "input_ids": ids(5, 60), "sampling_params": greedy(2),
+            "session_params": {"id": sid, "rid": rid}})
+        try:
+            received = b""
+            while b"\r\n\r\n{" not in received or not received.endswith(b"}"):
+                chunk = nxt.recv(65536)
+                assert chunk, received
+                received += chunk
+        finally:
+            nxt.close()
+        assert received.startswith(b"HTTP/1.1 200"), (attempt, received[-300:])
+        body = json.loads(received.split(b"\r\n\r\n", 1)[1])
+        assert body["meta_info"]["prompt_tokens"] == 20 + 4 + 5
+    close_session(sserver, sid)
+    sserver.assert_clean()
