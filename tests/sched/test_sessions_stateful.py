@@ -123,7 +123,9 @@ class SessionMachine(RuleBasedStateMachine):
                 params["offset"] = offset
             context = (history[:offset] if offset else history) + new
             bad_offset = offset is not None and not -len(history) <= offset <= len(history)
-        in_flight = session.active is not None and not replace
+        # a turn whose abort is pending is already leaving: the new turn supersedes it
+        active = session.active
+        in_flight = active is not None and active.to_finish is None and not replace
         too_long = len(context) > CONTEXT_LEN - 1
         refused = in_flight or bad_offset or too_long
         before = (session.active, dict(session.turns), len(self.e.scheduler.reqs),
