@@ -13,8 +13,10 @@ a ``rope_freqs`` tensor, becomes transformers' ``llama3`` rope parameters (check
 the tensor); other GGUF rope scaling is refused.
 
 Cache: ``$KVSERVE_CACHE/gguf/<file stem>-<key>/`` (``KVSERVE_CACHE`` defaults to
-``~/.cache/kvserve``); ``<key>`` hashes the file's name, size and modification time, so an
-edited or replaced file is converted again. The first load converts (SmolLM2-135M: about
+``~/.cache/kvserve``); ``<key>`` hashes the file's name, size and its first and last MiB
+(the header holds the metadata and tensor index), so an edited or replaced file is
+converted again, while a reinstall of the same file (a fresh venv: a new modification
+time) reuses the conversion. The first load converts (SmolLM2-135M: about
 half a minute on 2 CPU cores, 540 MB on disk) and says so on stderr; later loads read the
 folder. The conversion writes into a temporary folder beside it and renames it into place,
 so an interrupted one leaves no half folder. Clear the cache with
@@ -49,6 +51,7 @@ SUPPORTED_TENSOR_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", 
                           "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 # Bump when the folder layout changes: old cache entries are then converted again.
 _FORMAT = 1
+_KEY_BYTES = 1 << 20  # bytes at each end of a .gguf file its cache key hashes
 SOURCE_KEY = "kvserve_gguf_source"  # config.json: the .gguf file the folder came from
 
 
@@ -213,12 +216,16 @@ def converted_dir(path: str | Path) -> Path:
 
     Raises ModelLoadError when the file cannot be read."""
     path = Path(path)
+    digest = hashlib.sha256(f"{_FORMAT}\0{path.name}\0".encode())
     try:
-        st = path.stat()
+        size = path.stat().st_size
+        with path.open("rb") as f:  # the header (metadata, tensor index) and the tail
+            digest.update(f"{size}\0".encode() + f.read(_KEY_BYTES))
+            f.seek(max(size - _KEY_BYTES, 0))
+            digest.update(f.read(_KEY_BYTES))
     except OSError as err:
         raise ModelLoadError(f"cannot read {path}: {err.strerror or err}") from err
-    raw = f"{_FORMAT}\0{path.name}\0{st.st_size}\0{st.st_mtime_ns}".encode()
-    return cache_dir() / "gguf" / f"{path.stem}-{hashlib.sha256(raw).hexdigest()[:12]}"
+    return cache_dir() / "gguf" / f"{path.stem}-{digest.hexdigest()[:12]}"
 
 
 def convert_gguf(path: str | Path) -> Path:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -235,6 +236,12 @@ def test_conversion_is_cached_and_keyed_by_the_file(tiny_ckpts, tmp_path, capsys
            f"rm -rf {first})" in err
     assert convert_gguf(file) == first and capsys.readouterr().err == ""  # cached
     assert [p.name for p in first.parent.iterdir() if p.name.startswith(".")] == []
+    os.utime(file, ns=(1, 1))  # the same file reinstalled (a fresh venv): the same folder
+    assert converted_dir(file) == first
+    copy = tmp_path / "elsewhere" / "m.gguf"
+    copy.parent.mkdir()
+    shutil.copyfile(file, copy)
+    assert converted_dir(copy) == first
     write_gguf(tiny_ckpts["tiny-qwen2"], file, "qwen2", "F16")  # rewritten: a new key
     assert converted_dir(file) != first
 
