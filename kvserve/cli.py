@@ -347,12 +347,19 @@ def _bench_replay(args: argparse.Namespace) -> int:
     return 0 if result.violations == 0 else 1
 
 
-def _bench_chat(args: argparse.Namespace) -> int:
-    from kvserve.bench.chat import ChatJobOptions, run_chat_job
-
+def _model_with_url(args: argparse.Namespace) -> bool:
+    """--model and --url together (the bench commands that start a server): says why not."""
     if args.url and args.model:
         print("kvserve: --model picks the model of the server started here; it cannot be "
               "used with --url", file=sys.stderr)
+        return True
+    return False
+
+
+def _bench_chat(args: argparse.Namespace) -> int:
+    from kvserve.bench.chat import ChatJobOptions, run_chat_job
+
+    if _model_with_url(args):
         return 2
     return run_chat_job(ChatJobOptions(
         url=args.url, model=args.model, conversations=args.conversations, turns=args.turns,
@@ -363,9 +370,7 @@ def _bench_chat(args: argparse.Namespace) -> int:
 def _bench_trace_sessions(args: argparse.Namespace) -> int:
     from kvserve.bench.sessions import TraceSessionsOptions, run_trace_sessions
 
-    if args.url and args.model:
-        print("kvserve: --model picks the model of the server started here; it cannot be "
-              "used with --url", file=sys.stderr)
+    if _model_with_url(args):
         return 2
     return run_trace_sessions(TraceSessionsOptions(
         trace=args.trace, url=args.url, model=args.model, mode=args.mode, block=args.block,

@@ -60,6 +60,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import asdict, dataclass, field
+from operator import attrgetter
 from pathlib import Path
 from typing import Any
 
@@ -69,9 +70,9 @@ from kvserve.bench.sessions import (
     comparison,
     comparison_lines,
     counters_change,
-    held_tokens,
     run_metrics,
     session_counters,
+    turn_stats_by,
 )
 from kvserve.bench.stats import percentile
 from kvserve.server.process import ServerProcess, ServerStartError
@@ -485,14 +486,7 @@ async def prepare_run(url: str, model: str, api_key: str | None, warm_up: bool) 
 def turn_stats(results: list[TurnResult]) -> list[TurnStat]:
     """The results as ``bench.sessions.TurnStat`` (held tokens: the conversation's
     previous turn's prompt + completion - 1)."""
-    by_key = {(r.conversation, r.turn): r for r in results}
-    stats = []
-    for (conv, turn), r in sorted(by_key.items()):
-        prev = by_key.get((conv, turn - 1))
-        held = held_tokens(prev.prompt_tokens, prev.completion_tokens) if prev else 0
-        stats.append(TurnStat(turn, r.ttft_s, r.prompt_tokens, r.cached_tokens,
-                              r.completion_tokens, held, r.error is None))
-    return stats
+    return turn_stats_by(results, attrgetter("conversation"))
 
 
 def run_summary(outcome: RunOutcome) -> dict[str, Any]:

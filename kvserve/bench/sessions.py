@@ -32,8 +32,9 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from operator import attrgetter
 from pathlib import Path
 from typing import Any
 
@@ -464,16 +465,23 @@ async def run_chains(url: str, chains: Sequence[Chain], mode: str, concurrency: 
     return results, max((r.end_s for r in results), default=0.0)
 
 
-def chain_turn_stats(results: Iterable[ChainTurnResult]) -> list[TurnStat]:
-    """``TurnStat`` of each turn, ``held_tokens`` from the chain's previous turn."""
-    by_key = {(r.chain, r.turn): r for r in results}
+def turn_stats_by(results: Iterable[Any], thread: Callable[[Any], int]) -> list[TurnStat]:
+    """``TurnStat`` of each turn result (``turn``, ``ttft_s``, token counts, ``error``),
+    ``held_tokens`` from the previous turn of the same ``thread(result)`` (a chain, a
+    conversation), in (thread, turn) order."""
+    by_key = {(thread(r), r.turn): r for r in results}
     stats = []
-    for (chain, turn), r in sorted(by_key.items()):
-        prev = by_key.get((chain, turn - 1))
+    for (key, turn), r in sorted(by_key.items()):
+        prev = by_key.get((key, turn - 1))
         held = held_tokens(prev.prompt_tokens, prev.completion_tokens) if prev else 0
         stats.append(TurnStat(turn, r.ttft_s, r.prompt_tokens, r.cached_tokens,
                               r.completion_tokens, held, r.error is None))
     return stats
+
+
+def chain_turn_stats(results: Iterable[ChainTurnResult]) -> list[TurnStat]:
+    """``TurnStat`` of each turn, ``held_tokens`` from the chain's previous turn."""
+    return turn_stats_by(results, attrgetter("chain"))
 
 
 # -- kvserve bench trace-sessions ---------------------------------------------------------------

@@ -175,10 +175,10 @@ class Scheduler:
         rid = rid if rid is not None else f"req-{next(self._rids)}"
         if rid in self.reqs:
             raise RequestRejected(f"duplicate request id {rid!r}")
-        if not list(prompt_ids):
+        prompt = list(prompt_ids)
+        if not prompt:
             raise RequestRejected("empty prompt")
         params = None
-        prompt = list(prompt_ids)
         if session_params is not None:
             params = SessionParams.parse(session_params)
             prompt = self.sessions.context_for(params, prompt)

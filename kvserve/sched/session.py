@@ -419,10 +419,6 @@ class SessionManager:
         """Slots holding anything (owners of pages, rows and locks)."""
         return list(self._idle_slots())
 
-    def turn_in_flight(self, session_id: str) -> str | None:
-        session = self.sessions.get(session_id)
-        return None if session is None or session.active is None else session.active.rid
-
 
 @dataclass
 class SessionStats:
